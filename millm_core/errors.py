@@ -1,0 +1,100 @@
+"""Typed errors carrying (status, type, code, param), translated to OpenAI's error shape in
+exactly one place (:func:`millm_core.server.errors.error_response`).
+
+Code that decides what happened branches on the exception's class or ``code``, never on
+its message text.
+"""
+
+from __future__ import annotations
+
+
+class MillmError(Exception):
+    """An error a client can act on. ``status`` is the HTTP status, ``code`` a stable
+    machine-readable string, ``param`` the request field (a JSON path) it concerns."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        status: int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+        self.param = param
+        self.headers = dict(headers or {})
+
+
+class InvalidRequest(MillmError):
+    """400: the request cannot be served as sent."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_parameter"
+
+
+class FieldNotHonoured(InvalidRequest):
+    """400: an output-changing field no enabled plugin or engine can honour."""
+
+    code = "field_not_honoured"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """400: prompt plus requested completion exceed the model's context window."""
+
+    code = "context_length_exceeded"
+
+
+class NotFound(MillmError):
+    """404: the named model or object does not exist."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class PayloadTooLarge(MillmError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class ServiceUnavailable(MillmError):
+    """503: the server cannot take the request now; retrying later may succeed."""
+
+    status = 503
+    type = "server_error"
+    code = "service_unavailable"
+
+
+class ModelNotLoaded(ServiceUnavailable):
+    code = "model_not_loaded"
+
+
+class QueueFull(ServiceUnavailable):
+    code = "queue_full"
+
+
+class InternalError(MillmError):
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+
+class ConfigError(Exception):
+    """Raised at start-up for a configuration that cannot be served (bad flag, missing
+    model). The CLI prints it and exits non-zero; it never reaches an HTTP client."""

@@ -1,0 +1,101 @@
+"""The field policy: which request fields are honoured, on which endpoint, with which
+engine capability — as data that plugins contribute, not branches in code.
+
+A field sent with a non-neutral value is served only if some enabled plugin (or the core)
+registered a rule honouring it for the endpoint and the engine has the capability the rule
+needs; otherwise the request is refused with ``400 field_not_honoured`` naming the field.
+Neutral values (``n: 1``, ``logprobs: false``, ``logit_bias: {}``, explicit ``null``, …)
+mean "no change" and are accepted everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from .context import Endpoint
+from .engine import Capability
+
+ALL_ENDPOINTS: tuple[Endpoint, ...] = ("chat.completions", "completions")
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """``field`` is honoured on ``endpoints`` when the engine has ``requires`` (if set).
+    ``by`` names who honours it (a plugin name, or "core")."""
+
+    field: str
+    endpoints: tuple[Endpoint, ...]
+    by: str
+    requires: Capability | None = None
+    condition: str = ""
+
+
+def _is_neutral_default(value: Any) -> bool:
+    return value is None or value is msgspec.UNSET
+
+
+# Values that ask for what the server does anyway, per field.
+NEUTRAL: Mapping[str, Callable[[Any], bool]] = {
+    "n": lambda v: v == 1,
+    "logprobs": lambda v: v is False,
+    "response_format": lambda v: isinstance(v, dict) and v == {"type": "text"},
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v == "none",
+    "parallel_tool_calls": lambda v: v is True,
+    "logit_bias": lambda v: v == {},
+    "scoring_precision": lambda v: v == "native",
+    "stream": lambda v: v is False,
+    "echo": lambda v: v is False,
+    "best_of": lambda v: v == 1,
+    "return_tokens_as_token_ids": lambda v: v is False,
+}
+
+
+def is_neutral(name: str, value: Any) -> bool:
+    if _is_neutral_default(value):
+        return True
+    check = NEUTRAL.get(name)
+    return bool(check and check(value))
+
+
+class FieldPolicy:
+    """The assembled rules, built once at start-up from every enabled plugin."""
+
+    def __init__(self) -> None:
+        self._rules: dict[str, list[FieldRule]] = {}
+
+    def register(self, rule: FieldRule) -> None:
+        self._rules.setdefault(rule.field, []).append(rule)
+
+    def rules(self) -> Mapping[str, list[FieldRule]]:
+        return self._rules
+
+    def honours(self, name: str, endpoint: Endpoint, capabilities: frozenset[Capability]) -> bool:
+        return any(
+            endpoint in rule.endpoints and (rule.requires is None or rule.requires in capabilities)
+            for rule in self._rules.get(name, ())
+        )
+
+    def refusals(
+        self,
+        request: msgspec.Struct,
+        endpoint: Endpoint,
+        capabilities: frozenset[Capability],
+        always_honoured: Iterable[str],
+    ) -> list[str]:
+        """Names of fields sent with a non-neutral value that nothing honours."""
+        skip = set(always_honoured)
+        refused: list[str] = []
+        for name in request.__struct_fields__:
+            if name in skip:
+                continue
+            value = getattr(request, name)
+            if is_neutral(name, value):
+                continue
+            if not self.honours(name, endpoint, capabilities):
+                refused.append(name)
+        return refused

@@ -1,0 +1,145 @@
+"""PluginHost: the typed facade over pluggy. Built-in and third-party plugins are found
+the same way, through the ``millm`` entry-point group; the allow-list selects which
+feature plugins run.
+
+A plugin module may set ``MILLM_PLUGIN_KIND`` to ``"engine"`` or ``"models"``: those are
+infrastructure and load unless blocked. Everything else is a feature plugin, loaded only
+if the allow-list (``--plugins``) names it, or when there is no allow-list.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import pluggy
+import structlog
+
+from . import hookspecs
+from .config import Settings
+from .context import RequestContext
+from .engine import EngineFactory, ModelSource
+from .errors import ConfigError
+from .fields import FieldRule
+from .pipeline_types import Finalization, ForwardPlan, Outcome, Problem
+from .registry import ModelRegistry, ServedModel
+
+log = structlog.get_logger("millm.plugins")
+
+ENTRY_POINT_GROUP = "millm"
+INFRA_KINDS = frozenset({"engine", "models"})
+
+
+@dataclass(frozen=True)
+class PluginRecord:
+    """A plugin the host knows about, loaded or not."""
+
+    name: str
+    kind: str
+    loaded: bool
+    origin: str
+
+
+def plugin_kind(plugin: object) -> str:
+    return str(getattr(plugin, "MILLM_PLUGIN_KIND", "feature"))
+
+
+class PluginHost:
+    """Owns one pluggy PluginManager. Every hook is called through a typed method here."""
+
+    def __init__(self) -> None:
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self._pm.add_hookspecs(hookspecs)
+        self.records: list[PluginRecord] = []
+
+    # -------------------------------------------------------------- discovery
+
+    def register(self, plugin: object, name: str, *, origin: str = "direct") -> None:
+        """Register a plugin object (module or instance) under ``name``."""
+        self._pm.register(plugin, name=name)
+        self.records.append(PluginRecord(name, plugin_kind(plugin), True, origin))
+
+    def unregister(self, name: str) -> None:
+        plugin = self._pm.get_plugin(name)
+        if plugin is not None:
+            self._pm.unregister(plugin)
+        self.records = [r for r in self.records if r.name != name]
+
+    def discover(self, settings: Settings, entry_points: Iterable[importlib.metadata.EntryPoint] | None = None) -> None:
+        """Load plugins from the entry-point group, applying allow- and block-lists."""
+        eps = list(entry_points if entry_points is not None else importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+        known = {ep.name for ep in eps}
+        allow = set(settings.plugins) if settings.plugins is not None else None
+        for name in (allow or set()) | set(settings.block_plugins):
+            if name not in known:
+                raise ConfigError(f"unknown plugin {name!r}; installed plugins: {', '.join(sorted(known))}")
+        for ep in sorted(eps, key=lambda e: e.name):
+            if ep.name in settings.block_plugins or self._pm.has_plugin(ep.name):
+                continue
+            plugin: ModuleType = ep.load()
+            kind = plugin_kind(plugin)
+            if kind not in INFRA_KINDS and allow is not None and ep.name not in allow:
+                self.records.append(PluginRecord(ep.name, kind, False, ep.value))
+                continue
+            self.register(plugin, ep.name, origin=ep.value)
+            log.debug("plugin_loaded", plugin=ep.name, kind=kind)
+
+    def has(self, name: str) -> bool:
+        return self._pm.has_plugin(name)
+
+    def names(self) -> list[str]:
+        return [r.name for r in self.records if r.loaded]
+
+    def hook_order(self, hook: str) -> list[str]:
+        """Plugin names implementing ``hook``, in the order pluggy calls them."""
+        caller = getattr(self._pm.hook, hook)
+        return [self._pm.get_name(impl.plugin) or "?" for impl in reversed(caller.get_hookimpls())]
+
+    # -------------------------------------------------------------- start-up hooks
+
+    def engines(self) -> list[EngineFactory]:
+        found: list[EngineFactory] = []
+        self._pm.hook.millm_register_engines(register=found.append)
+        return sorted(found, key=lambda f: f.priority)
+
+    def model_sources(self) -> dict[str, ModelSource]:
+        found: list[ModelSource] = []
+        self._pm.hook.millm_register_model_sources(register=found.append)
+        return {s.name: s for s in found}
+
+    def default_model(self, settings: Settings) -> str | None:
+        result: str | None = self._pm.hook.millm_default_model(settings=settings)
+        return result
+
+    def field_rules(self) -> list[FieldRule]:
+        found: list[FieldRule] = []
+        self._pm.hook.millm_register_fields(register=found.append)
+        return found
+
+    def routes(self) -> list[tuple[str, Callable[..., Any], list[str]]]:
+        found: list[tuple[str, Callable[..., Any], list[str]]] = []
+        self._pm.hook.millm_register_routes(register=lambda path, endpoint, methods: found.append((path, endpoint, methods)))
+        return found
+
+    # -------------------------------------------------------------- request hooks
+
+    def validate(self, ctx: RequestContext, request: Any) -> list[Problem]:
+        results: Sequence[Iterable[Problem] | None] = self._pm.hook.millm_validate(ctx=ctx, request=request)
+        problems: list[Problem] = []
+        for batch in reversed(results):  # pluggy returns LIFO; report in registration order
+            if batch:
+                problems.extend(batch)
+        return problems
+
+    def resolve(self, ctx: RequestContext, request: Any, models: ModelRegistry) -> ServedModel | None:
+        result: ServedModel | None = self._pm.hook.millm_resolve(ctx=ctx, request=request, models=models)
+        return result
+
+    def pre_forward(self, ctx: RequestContext, request: Any, plan: ForwardPlan) -> None:
+        self._pm.hook.millm_pre_forward(ctx=ctx, request=request, plan=plan)
+
+    def finalize(self, ctx: RequestContext, request: Any, outcome: Outcome, out: Finalization) -> None:
+        self._pm.hook.millm_finalize(ctx=ctx, request=request, outcome=outcome, out=out)

@@ -1,0 +1,39 @@
+"""The models this server serves, by served name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .engine import Capability, Engine, ModelInfo
+
+
+@dataclass
+class ServedModel:
+    """A loaded model and the engine serving it."""
+
+    info: ModelInfo
+    engine: Engine
+
+    @property
+    def capabilities(self) -> frozenset[Capability]:
+        return self.engine.capabilities
+
+
+class ModelRegistry:
+    """Served models by name. Lives in the app's lifespan state; no global instance."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, ServedModel] = {}
+
+    def add(self, model: ServedModel) -> None:
+        self._models[model.info.served_name] = model
+
+    def get(self, name: str) -> ServedModel | None:
+        return self._models.get(name)
+
+    def __iter__(self) -> Iterator[ServedModel]:
+        return iter(self._models.values())
+
+    def __len__(self) -> int:
+        return len(self._models)

@@ -1,0 +1,97 @@
+"""RowDriver: everything that happens to one generated row around the engine's sampling.
+
+It turns sampled ids into text (incrementally), runs the row's token processors, applies
+end-of-sequence and the token budget, and records the finish reason. Engines stay free of
+this logic, so every engine behaves the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .detokenize import Decode, Detokenizer
+from .engine import TokenProcessor
+
+
+@dataclass(slots=True)
+class RowEvent:
+    """What one step produced for one row: text to emit and, when the row ended, why."""
+
+    row: int
+    text: str
+    finish_reason: str | None = None
+
+
+class RowDriver:
+    """Drives one row: ``bias()`` before each step, ``accept(token)`` after it."""
+
+    __slots__ = ("row", "_detok", "_processors", "_eos", "_budget", "generated", "finish_reason")
+
+    def __init__(
+        self,
+        row: int,
+        *,
+        decode: Decode,
+        processors: Sequence[TokenProcessor],
+        eos_token_ids: frozenset[int],
+        max_new_tokens: int,
+    ) -> None:
+        self.row = row
+        self._detok = Detokenizer(decode)
+        self._processors = tuple(processors)
+        self._eos = eos_token_ids
+        self._budget = max_new_tokens
+        self.generated = 0
+        self.finish_reason: str | None = None
+
+    def bias(self) -> dict[int, float] | None:
+        """The summed logit bias of this row's processors for the next step."""
+        merged: dict[int, float] | None = None
+        for proc in self._processors:
+            part: Mapping[int, float] | None = proc.logit_bias()
+            if not part:
+                continue
+            if merged is None:
+                merged = dict(part)
+            else:
+                for tok, val in part.items():
+                    merged[tok] = merged.get(tok, 0.0) + val
+        return merged
+
+    def accept(self, token_id: int) -> RowEvent:
+        """Take the token sampled for this row and say what to emit."""
+        self.generated += 1
+        if token_id in self._eos:
+            return self._finish("stop", "", stopped_at=None)
+        text = self._detok.push(token_id)
+        for index, proc in enumerate(self._processors):
+            text, stop = proc.on_token(token_id, text)
+            if stop:
+                return self._finish("stop", text, stopped_at=index)
+        if self.generated >= self._budget:
+            return self._finish("length", text, stopped_at=None)
+        return RowEvent(self.row, text)
+
+    def cancel(self) -> None:
+        self.finish_reason = self.finish_reason or "cancelled"
+
+    def _finish(self, reason: str, text: str, *, stopped_at: int | None) -> RowEvent:
+        """End the row. Text still held back is released through the processors that
+        have not seen it yet: after EOS or the budget, the detokenizer's tail goes
+        through every processor; after processor ``stopped_at`` stopped the row, only
+        the text it let through goes on, through the processors after it."""
+        if stopped_at is None:
+            emitted, carry, start = text, self._detok.flush(), 0
+        else:
+            emitted, carry, start = "", text, stopped_at + 1
+        for proc in self._processors[start:]:
+            stop = False
+            if carry:
+                carry, stop = proc.on_token(-1, carry)
+            if stop:
+                reason = "stop"
+            else:
+                carry += proc.flush()
+        self.finish_reason = reason
+        return RowEvent(self.row, emitted + carry, reason)

@@ -1,0 +1,1 @@
+"""The HTTP layer: a Starlette app served by hypercorn."""

@@ -1,0 +1,103 @@
+"""``create_app(settings)`` → a Starlette app whose lifespan owns the plugin host, the
+model registry, the scheduler and (when given a loader) the model load."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import structlog
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.routing import Route
+
+from .. import builtin
+from ..config import Settings
+from ..errors import MillmError
+from ..fields import FieldPolicy
+from ..plugins import PluginHost
+from ..registry import ModelRegistry, ServedModel
+from ..scheduler import Scheduler
+from .errors import handle_http_exception, handle_millm_error, handle_unexpected
+from .middleware import RequestIdMiddleware
+from .routes.chat import chat_completions
+from .routes.completions import completions
+from .routes.health import health, inference, ready
+from .routes.models import get_model, list_models
+from .state import AppState
+
+log = structlog.get_logger("millm.app")
+
+Loader = Callable[[], ServedModel]
+
+
+def build_host(settings: Settings) -> PluginHost:
+    """A plugin host with the core's hooks and every discovered plugin."""
+    host = PluginHost()
+    host.register(builtin, builtin.NAME, origin="millm_core.builtin")
+    host.discover(settings)
+    return host
+
+
+def create_app(
+    settings: Settings,
+    *,
+    host: PluginHost | None = None,
+    models: ModelRegistry | None = None,
+    loader: Loader | None = None,
+) -> Starlette:
+    """Build the app. Pass ``models`` already loaded (tests, embedding), or a ``loader``
+    that the lifespan runs in a worker thread while the server already answers health
+    checks (readiness is 503 until it finishes)."""
+    host = host or build_host(settings)
+    policy = FieldPolicy()
+    for rule in host.field_rules():
+        policy.register(rule)
+    registry = models if models is not None else ModelRegistry()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        scheduler = Scheduler(settings.max_queue)
+        state = AppState(settings=settings, host=host, models=registry, policy=policy, scheduler=scheduler)
+        app.state.millm = state
+        task: asyncio.Task[None] | None = None
+        if loader is not None:
+            state.loading = True
+
+            async def load() -> None:
+                try:
+                    registry.add(await asyncio.to_thread(loader))
+                except Exception as exc:  # noqa: BLE001 - reported by readiness and 503s
+                    state.load_error = f"{type(exc).__name__}: {exc}"
+                    log.exception("model_load_failed")
+                finally:
+                    state.loading = False
+
+            task = asyncio.create_task(load())
+        log.info("server_started", plugins=host.names(), models=[m.info.served_name for m in registry])
+        try:
+            yield
+        finally:
+            if task is not None and not task.done():
+                task.cancel()
+            scheduler.shutdown()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
+        Route("/api/health", health, methods=["GET"]),
+        Route("/api/health/ready", ready, methods=["GET"]),
+        Route("/api/health/inference", inference, methods=["GET"]),
+    ]
+    for path, endpoint, methods in host.routes():
+        routes.append(Route(path, endpoint, methods=methods))
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={MillmError: handle_millm_error, HTTPException: handle_http_exception, Exception: handle_unexpected},
+    )
+    app.add_middleware(RequestIdMiddleware)
+    return app

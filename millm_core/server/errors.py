@@ -1,0 +1,48 @@
+"""The one place where exceptions become OpenAI-shaped error responses."""
+
+from __future__ import annotations
+
+import structlog
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..codec import encode
+from ..contracts.errors import ErrorBody, ErrorResponse
+from ..errors import MillmError
+
+log = structlog.get_logger("millm.errors")
+
+_HTTP_CODES = {404: ("not_found", "invalid_request_error"), 405: ("method_not_allowed", "invalid_request_error")}
+
+
+def error_body(exc: MillmError) -> ErrorResponse:
+    return ErrorResponse(error=ErrorBody(message=exc.message, type=exc.type, param=exc.param, code=exc.code))
+
+
+def error_response(exc: MillmError) -> Response:
+    return Response(encode(error_body(exc)), status_code=exc.status, media_type="application/json", headers=exc.headers)
+
+
+def internal_error() -> MillmError:
+    return MillmError("The server failed to process the request; see its log for the request id.")
+
+
+async def handle_millm_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, MillmError)
+    log.info("request_refused", status=exc.status, code=exc.code, param=exc.param)
+    return error_response(exc)
+
+
+async def handle_http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code, type_ = _HTTP_CODES.get(exc.status_code, ("http_error", "invalid_request_error"))
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    err = MillmError(message, code=code, status=exc.status_code)
+    err.type = type_
+    return error_response(err)
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled_error", exc_type=type(exc).__name__)
+    return error_response(internal_error())

@@ -1,0 +1,142 @@
+"""Turn a prepared request into an HTTP response, streamed or not.
+
+The endpoint-specific part (which Structs to build) is a small :class:`Shapes` object;
+everything else — headers, usage, the SSE framing, disconnects, mid-stream errors,
+finalize extensions — is shared by chat and text completions.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import structlog
+from starlette.responses import Response, StreamingResponse
+
+from ..codec import SSE_DONE, encode, sse_frame
+from ..contracts.common import Usage
+from ..errors import MillmError
+from ..sfv import string_list
+from .errors import error_body, internal_error
+from .pipeline import Prepared, events, finalize, outcome, submit
+from .state import AppState
+
+log = structlog.get_logger("millm.respond")
+
+IGNORED_FIELDS_HEADER = "X-miLLM-Ignored-Fields"
+IGNORED_FIELDS_HEADER_MAX_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """How one endpoint builds its response objects."""
+
+    id_prefix: str
+    # (id, created, model, fingerprint, texts, reasons, usage) -> response Struct
+    full: Callable[..., msgspec.Struct]
+    # (id, created, model, index, text|None, reason|None, first: bool, usage|None) -> chunk
+    chunk: Callable[..., msgspec.Struct]
+
+
+def _headers(state: AppState, prepared: Prepared) -> dict[str, str]:
+    ctx = prepared.ctx
+    headers = {"X-miLLM-Model": prepared.model.info.served_name, **ctx.response_headers}
+    if ctx.ignored_fields:
+        headers[IGNORED_FIELDS_HEADER] = string_list(ctx.ignored_fields, IGNORED_FIELDS_HEADER_MAX_BYTES)
+    return headers
+
+
+def _body_with_extensions(obj: msgspec.Struct, extensions: dict[str, Any]) -> bytes:
+    if not extensions:
+        return encode(obj)
+    data = msgspec.to_builtins(obj)
+    data.update(extensions)
+    return encode(data)
+
+
+async def complete(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
+    """Run to the end and answer with one JSON body."""
+    handle = submit(state, prepared)
+    texts = [""] * handle.rows
+    reasons: list[str | None] = [None] * handle.rows
+    counts = [0] * handle.rows
+    try:
+        async for step in events(handle):
+            for ev in step.events:
+                texts[ev.row] += ev.text
+                counts[ev.row] += 1
+                if ev.finish_reason:
+                    reasons[ev.row] = ev.finish_reason
+    except BaseException:
+        handle.job.cancel()
+        raise
+    result = outcome(prepared, texts, reasons, counts)
+    final = finalize(state, prepared, result)
+    info = prepared.model.info
+    usage = Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens, total_tokens=result.prompt_tokens + result.completion_tokens)
+    body = shapes.full(
+        f"{shapes.id_prefix}-{uuid.uuid4().hex}", prepared.ctx.created, info.served_name, info.system_fingerprint, texts, reasons, usage
+    )
+    headers = {**_headers(state, prepared), **final.headers}
+    return Response(_body_with_extensions(body, final.extensions), media_type="application/json", headers=headers)
+
+
+def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
+    """Answer with SSE: a first chunk with the role, content chunks, one final chunk per
+    choice with its finish_reason (the last one also with usage), extension chunks from
+    finalize, then ``[DONE]``. A failure after the 200 becomes an error event."""
+    handle = submit(state, prepared)
+    response_id = f"{shapes.id_prefix}-{uuid.uuid4().hex}"
+    info = prepared.model.info
+    created = prepared.ctx.created
+
+    async def body() -> AsyncIterator[bytes]:
+        counts = [0] * handle.rows
+        texts = [""] * handle.rows
+        reasons: list[str | None] = [None] * handle.rows
+        open_rows = handle.rows
+        try:
+            for row in range(handle.rows):
+                yield sse_frame(shapes.chunk(response_id, created, info.served_name, row, None, None, True, None))
+            async for step in events(handle):
+                for ev in step.events:
+                    counts[ev.row] += 1
+                    texts[ev.row] += ev.text
+                    if ev.finish_reason:
+                        reasons[ev.row] = ev.finish_reason
+                        open_rows -= 1
+                        usage = None
+                        if open_rows == 0:
+                            prompt = prepared.prompt_tokens
+                            usage = Usage(prompt_tokens=prompt, completion_tokens=sum(counts), total_tokens=prompt + sum(counts))
+                        yield sse_frame(shapes.chunk(response_id, created, info.served_name, ev.row, ev.text, ev.finish_reason, False, usage))
+                    elif ev.text:
+                        yield sse_frame(shapes.chunk(response_id, created, info.served_name, ev.row, ev.text, None, False, None))
+            final = finalize(state, prepared, outcome(prepared, texts, reasons, counts))
+            for key, value in final.extensions.items():
+                yield encode_extension(response_id, created, info.served_name, shapes, key, value)
+        except MillmError as exc:
+            log.warning("stream_failed", code=exc.code)
+            yield sse_frame(error_body(exc))
+        except Exception:
+            log.exception("stream_failed")
+            yield sse_frame(error_body(internal_error()))
+        finally:
+            # Runs on completion and on client disconnect (generator closed/cancelled).
+            handle.job.cancel()
+        yield SSE_DONE
+
+    headers = _headers(state, prepared)
+    headers["Cache-Control"] = "no-cache"
+    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+
+def encode_extension(response_id: str, created: int, model: str, shapes: Shapes, key: str, value: Any) -> bytes:
+    """A closing chunk ``{"id", "object", "created", "model", "choices": [], key: value}``."""
+    base = msgspec.to_builtins(shapes.chunk(response_id, created, model, 0, None, None, False, None))
+    base["choices"] = []
+    base[key] = value
+    return b"data: " + encode(base) + b"\n\n"

@@ -1,0 +1,1 @@
+"""Thin endpoints: decode → pipeline → encode."""

@@ -1,0 +1,41 @@
+"""``POST /v1/completions``."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ...contracts.common import Usage
+from ...contracts.completions import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
+    CompletionRequest,
+    CompletionResponse,
+)
+from ..pipeline import prepare
+from ..respond import Shapes, complete, stream
+from .common import decode_request, log_unused
+
+
+def _full(rid: str, created: int, model: str, fingerprint: str, texts: list[str], reasons: list[str], usage: Usage) -> CompletionResponse:
+    choices = [CompletionChoice(index=i, text=text, finish_reason=reasons[i]) for i, text in enumerate(texts)]  # type: ignore[arg-type]
+    return CompletionResponse(id=rid, created=created, model=model, system_fingerprint=fingerprint, choices=choices, usage=usage)
+
+
+def _chunk(rid: str, created: int, model: str, index: int, text: str | None, reason: str | None, first: bool, usage: Usage | None) -> CompletionChunk:
+    choice = CompletionChunkChoice(index=index, text=text or "", finish_reason=reason)  # type: ignore[arg-type]
+    chunk = CompletionChunk(id=rid, created=created, model=model, choices=[choice])
+    if usage is not None:
+        chunk.usage = usage
+    return chunk
+
+
+SHAPES = Shapes(id_prefix="cmpl", full=_full, chunk=_chunk)
+
+
+async def completions(request: Request) -> Response:
+    state, ctx, body = await decode_request(request, "completions", CompletionRequest)
+    prepared = prepare(state, ctx, body)
+    log_unused(ctx)
+    return stream(state, prepared, SHAPES) if ctx.stream else await complete(state, prepared, SHAPES)

@@ -1,0 +1,27 @@
+"""Liveness, readiness and scheduler counters."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ...codec import encode
+from ...errors import ModelNotLoaded
+from .common import app_state
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    state = app_state(request)
+    if not len(state.models):
+        reason = state.load_error or ("loading" if state.loading else "no model")
+        raise ModelNotLoaded(f"No model is loaded ({reason})")
+    return JSONResponse({"status": "ready", "models": [m.info.served_name for m in state.models]})
+
+
+async def inference(request: Request) -> Response:
+    state = app_state(request)
+    return Response(encode({"backend": "serial", "scheduler": state.scheduler.snapshot()}), media_type="application/json")

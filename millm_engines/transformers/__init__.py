@@ -1,0 +1,2 @@
+"""The Hugging Face transformers engine: its own batch-first decode loop over a
+``AutoModelForCausalLM``."""

@@ -1,0 +1,38 @@
+"""How a chat becomes token ids on this engine.
+
+- With a chat template: render it with the generation prompt. A render that already
+  begins with the tokenizer's BOS token is tokenised without special tokens (one BOS);
+  otherwise the tokenizer's own rule applies.
+- Without a chat template: the generic fallback below, tokenised with the tokenizer's own
+  rule. It is documented in docs/chat-templates.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+
+def generic_chat_text(messages: Sequence[Mapping[str, Any]]) -> str:
+    """The fallback format: one ``role: content`` line per message, then ``assistant:``."""
+    lines = [f"{m['role']}: {m.get('content') or ''}" for m in messages]
+    return "\n".join(lines) + "\nassistant:"
+
+
+def render_chat_text(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any]) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        return str(
+            tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=True, **dict(template_kwargs)
+            )
+        )
+    return generic_chat_text(messages)
+
+
+def render_chat_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any]) -> list[int]:
+    text = render_chat_text(tokenizer, messages, template_kwargs)
+    bos = tokenizer.bos_token
+    writes_own_bos = bool(bos) and text.startswith(str(bos))
+    return list(tokenizer(text, add_special_tokens=not writes_own_bos)["input_ids"])

@@ -1,0 +1,146 @@
+"""The transformers engine: prefill then cached decode over a batch of rows.
+
+Rows are left-padded so that every row's next token sits in the last column; a batch
+without padding passes no attention mask at all (the causal fast path). Finished rows are
+dropped from the KV cache between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from millm_core.engine import ModelInfo, RowSpec, SamplingParams
+
+from .chat import render_chat_ids
+from .sampler import apply_biases, sample
+
+from .plugin import CAPABILITIES  # declared once, before any load
+
+
+@dataclass
+class HFBatch:
+    """Per-batch state: KV cache, attention mask, per-row positions and params."""
+
+    prompts: list[tuple[int, ...]]
+    params: list[SamplingParams]
+    cache: DynamicCache | None = None
+    mask: torch.Tensor | None = None
+    next_pos: torch.Tensor | None = None
+    last_tokens: torch.Tensor | None = None
+    # Absolute position (prompt length + tokens generated) of each row's next draw.
+    draw_pos: list[int] | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.params)
+
+
+class TransformersEngine:
+    """An :class:`~millm_core.engine.Engine` over a transformers causal LM."""
+
+    capabilities = CAPABILITIES
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, info: ModelInfo, eos_token_ids: frozenset[int]) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.info = info
+        self.eos_token_ids = eos_token_ids
+        self.device = next(model.parameters()).device
+        pad = tokenizer.pad_token_id
+        self._pad_id = int(pad if pad is not None else next(iter(eos_token_ids), 0))
+
+    # ------------------------------------------------------------------ text
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
+        return render_chat_ids(self.tokenizer, messages, template_kwargs)
+
+    # ------------------------------------------------------------------ batches
+
+    def open_batch(self, rows: Sequence[RowSpec]) -> HFBatch:
+        return HFBatch(prompts=[r.prompt_ids for r in rows], params=[r.sampling for r in rows])
+
+    @torch.inference_mode()
+    def step(self, batch: HFBatch, biases: Sequence[Mapping[int, float] | None]) -> list[int]:
+        if batch.cache is None:
+            logits = self._prefill(batch)
+        else:
+            logits = self._decode(batch)
+        logits = logits.float()
+        if any(biases):
+            apply_biases(logits, biases)
+        assert batch.draw_pos is not None
+        tokens = sample(logits, batch.params, batch.draw_pos)
+        batch.last_tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        batch.draw_pos = [p + 1 for p in batch.draw_pos]
+        return tokens
+
+    def _prefill(self, batch: HFBatch) -> torch.Tensor:
+        lengths = [len(p) for p in batch.prompts]
+        width = max(lengths)
+        ids = torch.full((len(lengths), width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(lengths), width), dtype=torch.long)
+        for r, prompt in enumerate(batch.prompts):
+            ids[r, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[r, width - len(prompt) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+        padded = min(lengths) != width
+        batch.cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask if padded else None,
+            position_ids=positions,
+            cache=batch.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        batch.mask = mask if padded else None
+        batch.next_pos = positions[:, -1] + 1
+        batch.draw_pos = lengths
+        return out.logits[:, -1, :]
+
+    def _decode(self, batch: HFBatch) -> torch.Tensor:
+        assert batch.last_tokens is not None and batch.next_pos is not None
+        if batch.mask is not None:
+            ones = torch.ones((batch.mask.shape[0], 1), dtype=batch.mask.dtype, device=self.device)
+            batch.mask = torch.cat([batch.mask, ones], dim=1)
+        out = self.model(
+            input_ids=batch.last_tokens[:, None],
+            attention_mask=batch.mask,
+            position_ids=batch.next_pos[:, None],
+            cache=batch.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        batch.next_pos = batch.next_pos + 1
+        return out.logits[:, -1, :]
+
+    def retain(self, batch: HFBatch, keep: Sequence[int]) -> None:
+        index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
+        batch.prompts = [batch.prompts[i] for i in keep]
+        batch.params = [batch.params[i] for i in keep]
+        assert batch.draw_pos is not None
+        batch.draw_pos = [batch.draw_pos[i] for i in keep]
+        if batch.cache is not None:
+            batch.cache.batch_select_indices(index)
+        if batch.mask is not None:
+            batch.mask = batch.mask.index_select(0, index)
+        if batch.next_pos is not None:
+            batch.next_pos = batch.next_pos.index_select(0, index)
+        if batch.last_tokens is not None:
+            batch.last_tokens = batch.last_tokens.index_select(0, index)
+
+    def close(self, batch: HFBatch) -> None:
+        batch.cache = None
+        batch.mask = None

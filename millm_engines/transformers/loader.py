@@ -1,0 +1,84 @@
+"""Load a local Hugging Face checkpoint directory into a TransformersEngine."""
+
+from __future__ import annotations
+
+import os
+
+import structlog
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from millm_core.config import Settings
+from millm_core.engine import ModelInfo, ModelLocation
+from millm_core.errors import ConfigError
+
+from .engine import TransformersEngine
+
+log = structlog.get_logger("millm.engine.transformers")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def is_checkpoint_dir(location: ModelLocation) -> bool:
+    return os.path.isdir(location.path) and os.path.isfile(os.path.join(location.path, "config.json"))
+
+
+def _choose_dtype(setting: str, config: object) -> torch.dtype:
+    if setting != "auto":
+        return _DTYPES[setting]
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = _DTYPES.get(declared)
+    return declared if declared in _DTYPES.values() else torch.float32
+
+
+def _eos_ids(tokenizer: object, path: str) -> frozenset[int]:
+    ids: set[int] = set()
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    try:
+        gen = GenerationConfig.from_pretrained(path)
+    except OSError:
+        gen = None
+    if gen is not None and gen.eos_token_id is not None:
+        ids.update([gen.eos_token_id] if isinstance(gen.eos_token_id, int) else gen.eos_token_id)
+    return frozenset(ids)
+
+
+def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngine:
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    path = location.path
+    config = AutoConfig.from_pretrained(path)
+    dtype = _choose_dtype(settings.dtype, config)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    native = int(getattr(config, "max_position_embeddings", 0) or 0)
+    context = native
+    if settings.max_model_len is not None:
+        if native and settings.max_model_len > native:
+            raise ConfigError(f"--max-model-len {settings.max_model_len} exceeds the model's context window of {native} tokens")
+        context = settings.max_model_len
+    if not context:
+        raise ConfigError("the model states no context window; pass --max-model-len")
+    quant = getattr(config, "quantization_config", None)
+    quantization = location.quantization or (
+        str(quant.get("quant_method", "unrecorded")) if isinstance(quant, dict) else "none"
+    )
+    info = ModelInfo(
+        served_name=location.served_name,
+        engine="transformers",
+        context_length=context,
+        d_model=int(getattr(config, "hidden_size", 0) or 0),
+        n_layers=int(getattr(config, "num_hidden_layers", 0) or 0),
+        vocab_size=int(getattr(config, "vocab_size", 0) or len(tokenizer)),
+        dtype=str(dtype).removeprefix("torch."),
+        revision=location.revision,
+        quantization=quantization,
+        owned_by=location.extra.get("owned_by", "millm"),
+        created=int(os.path.getmtime(os.path.join(path, "config.json"))),
+    )
+    log.info("model_loaded", model=info.served_name, dtype=info.dtype, context_length=context, threads=torch.get_num_threads())
+    return TransformersEngine(model, tokenizer, info, _eos_ids(tokenizer, path))

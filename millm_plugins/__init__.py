@@ -1,0 +1,1 @@
+"""Feature plugins shipped with millm; each is enabled or disabled by the allow-list."""

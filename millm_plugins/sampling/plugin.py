@@ -1,0 +1,64 @@
+"""Honours the sampling fields: temperature, top_p, top_k, seed, stop, penalties."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from millm_core.context import RequestContext
+from millm_core.engine import Capability
+from millm_core.fields import ALL_ENDPOINTS, FieldRule
+from millm_core.hookspecs import hookimpl
+from millm_core.pipeline_types import ForwardPlan, RowInfo
+
+from .processors import Penalties, StopSequences
+
+NAME = "sampling"
+# top_k 0 selects the 20-candidate cap (the Ignis convention); absent means no top-k filter.
+TOP_K_ZERO_MEANS = 20
+
+
+def _set(value: Any) -> bool:
+    return value is not None and value is not msgspec.UNSET
+
+
+@hookimpl
+def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
+    for name in ("temperature", "top_p", "top_k", "stop", "frequency_penalty", "presence_penalty"):
+        register(FieldRule(name, ALL_ENDPOINTS, by=NAME))
+    register(FieldRule("seed", ALL_ENDPOINTS, by=NAME, requires=Capability.SEED))
+
+
+def seed_header(seed: int) -> str:
+    """``X-miLLM-Seed`` value: the seed and the scope of the reproducibility promise."""
+    return f'{seed};scope="request"'
+
+
+@hookimpl
+def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> None:
+    changes: dict[str, Any] = {}
+    if _set(request.temperature):
+        changes["temperature"] = float(request.temperature)
+    if _set(request.top_p):
+        changes["top_p"] = float(request.top_p)
+    if _set(request.top_k):
+        changes["top_k"] = int(request.top_k) or TOP_K_ZERO_MEANS
+    if _set(request.seed):
+        changes["seed"] = int(request.seed)
+        ctx.set_header("X-miLLM-Seed", seed_header(int(request.seed)))
+    if changes:
+        plan.sampling = msgspec.structs.replace(plan.sampling, **changes)
+
+    if _set(request.stop):
+        stops = [request.stop] if isinstance(request.stop, str) else list(request.stop)
+        if stops:
+            plan.add_processor(lambda _row, stops=tuple(stops): StopSequences(stops))
+    frequency = float(request.frequency_penalty) if _set(request.frequency_penalty) else 0.0
+    presence = float(request.presence_penalty) if _set(request.presence_penalty) else 0.0
+    if frequency or presence:
+        def _penalties(_row: RowInfo) -> Penalties:
+            return Penalties(frequency, presence)
+
+        plan.add_processor(_penalties)
