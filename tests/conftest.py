@@ -1,0 +1,94 @@
+"""Shared fixtures: the tiny model (built once, cached on disk), its engine (loaded once
+per session), and real servers on 127.0.0.1 driven by the openai SDK and httpx."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from millm_core.config import Settings, load_settings
+from millm_core.engine import ModelLocation
+from millm_core.loading import local_revision
+from millm_core.logs import configure_logging
+from millm_core.plugins import PluginHost
+from millm_core.registry import ModelRegistry, ServedModel
+from millm_core.server.app import build_host, create_app
+from millm_core.testing import RunningServer, tiny_model_dir
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+configure_logging("console", os.environ.get("MILLM_TEST_LOG_LEVEL", "warning"))
+TINY = "tiny"
+
+
+@pytest.fixture(scope="session")
+def tiny_dir() -> str:
+    return tiny_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir_no_template() -> str:
+    return tiny_model_dir(chat_template=False)
+
+
+@pytest.fixture(scope="session")
+def base_settings() -> Settings:
+    return load_settings({"log_level": "warning"}, environ={})
+
+
+def _load(path: str, name: str, settings: Settings) -> ServedModel:
+    from millm_engines.transformers.loader import load_engine
+
+    engine = load_engine(ModelLocation(path=path, served_name=name, revision=local_revision(path)), settings)
+    return ServedModel(info=engine.info, engine=engine)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dir: str, base_settings: Settings) -> ServedModel:
+    return _load(tiny_dir, TINY, base_settings)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model: ServedModel) -> Any:
+    return tiny_model.engine
+
+
+@pytest.fixture(scope="session")
+def no_template_model(tiny_dir_no_template: str, base_settings: Settings) -> ServedModel:
+    return _load(tiny_dir_no_template, "tiny-no-template", base_settings)
+
+
+ServerFactory = Callable[..., contextlib.AbstractContextManager[RunningServer]]
+
+
+@pytest.fixture(scope="session")
+def make_server(tiny_model: ServedModel, no_template_model: ServedModel) -> ServerFactory:
+    """``with make_server(max_queue=2, host=my_host) as srv:`` — a fresh real server over
+    the session's loaded models, with settings overrides."""
+
+    @contextlib.contextmanager
+    def factory(host: PluginHost | None = None, models: list[ServedModel] | None = None, **overrides: Any) -> Iterator[RunningServer]:
+        settings = load_settings({"log_level": "warning", **overrides}, environ={})
+        registry = ModelRegistry()
+        for model in models if models is not None else [tiny_model, no_template_model]:
+            registry.add(model)
+        app = create_app(settings, host=host or build_host(settings), models=registry)
+        with RunningServer(app) as server:
+            yield server
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def server(make_server: ServerFactory) -> Iterator[RunningServer]:
+    with make_server() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="not-needed", max_retries=0)

@@ -1,0 +1,57 @@
+"""The real default model (SmolLM2-135M-Instruct) through ``millm serve``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from .conftest import ServeProcess
+
+pytestmark = pytest.mark.e2e
+
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+def test_default_model_is_listed(smollm2_server: ServeProcess) -> None:
+    client = openai.OpenAI(base_url=smollm2_server.base_url + "/v1", api_key="x", max_retries=0)
+    models = client.models.list().data
+    assert [m.id for m in models] == ["SmolLM2-135M-Instruct"]
+    details = models[0].model_extra["millm"]
+    assert (details["d_model"], details["n_layers"], details["context_length"]) == (576, 30, 8192)
+
+
+def test_paris(smollm2_server: ServeProcess) -> None:
+    client = openai.OpenAI(base_url=smollm2_server.base_url + "/v1", api_key="x", max_retries=0)
+    resp = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, temperature=0, max_tokens=30)
+    assert "Paris" in resp.choices[0].message.content
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.system_fingerprint.startswith("millm:SmolLM2-135M-Instruct@")
+    assert resp.system_fingerprint.endswith(":float32/Q4_1-dequantized:transformers")
+    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, temperature=0, max_tokens=30, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == resp.choices[0].message.content
+
+
+def test_serve_a_local_checkpoint_with_flags(tiny_dir: str) -> None:
+    server = ServeProcess(["--model", tiny_dir, "--served-name", "mini", "--max-model-len", "128"], env={"MILLM_MAX_QUEUE": "3"})
+    try:
+        server.wait_ready(timeout=120)
+        card = httpx.get(server.base_url + "/v1/models/mini").json()
+        assert card["millm"]["context_length"] == 128
+        too_long = httpx.post(server.base_url + "/v1/completions", json={"model": "mini", "prompt": "x", "max_tokens": 200})
+        assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    finally:
+        server.stop()
+
+
+def test_missing_model_fails_fast_with_a_clear_message(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = subprocess.run(
+        [sys.executable, "-m", "millm_core.cli", "serve", "--model", str(tmp_path / "nope")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2
+    assert "never downloads" in out.stderr

@@ -1,0 +1,113 @@
+"""Helpers for HTTP tests: independent references and small test plugins."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import torch
+
+from millm_core.hookspecs import hookimpl
+from millm_core.pipeline_types import ForwardPlan, RowInfo
+
+
+def hf_reference(engine: Any, prompt_ids: list[int], max_new: int) -> tuple[str, str]:
+    """(text, finish_reason) of greedy HF ``generate`` with EOS handling — the reference
+    the server's greedy output must equal."""
+    eos = sorted(engine.eos_token_ids)
+    with torch.no_grad():
+        out = engine.model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0
+        )
+    new = out[0, len(prompt_ids):].tolist()
+    if new and new[-1] in engine.eos_token_ids:
+        return engine.tokenizer.decode(new[:-1], skip_special_tokens=True), "stop"
+    return engine.tokenizer.decode(new, skip_special_tokens=True), "length"
+
+
+def chat_ids(engine: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Prompt ids computed with the tokenizer's own API (not the engine's renderer)."""
+    tok = engine.tokenizer
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tok(text, add_special_tokens=False)["input_ids"])  # the template writes BOS
+
+
+def sse_frames(raw: bytes) -> list[str]:
+    """Split an SSE body into data payloads, checking the framing byte by byte."""
+    assert raw.endswith(b"\n\n")
+    frames = raw.split(b"\n\n")[:-1]
+    out = []
+    for frame in frames:
+        assert frame.startswith(b"data: "), frame
+        assert b"\n" not in frame, frame
+        out.append(frame[len(b"data: "):].decode())
+    return out
+
+
+def json_frames(raw: bytes) -> list[dict[str, Any]]:
+    frames = sse_frames(raw)
+    assert frames[-1] == "[DONE]"
+    return [json.loads(f) for f in frames[:-1]]
+
+
+class _Boom:
+    def __init__(self, after: int) -> None:
+        self.left = after
+
+    def logit_bias(self) -> None:
+        return None
+
+    def on_token(self, token_id: int, text: str) -> tuple[str, bool]:
+        self.left -= 1
+        if self.left < 0:
+            raise RuntimeError("processor exploded on purpose")
+        return text, False
+
+    def flush(self) -> str:
+        return ""
+
+
+class BoomPlugin:
+    """Makes every row fail after ``after`` tokens (to test mid-stream errors)."""
+
+    def __init__(self, after: int = 3) -> None:
+        self.after = after
+
+    @hookimpl
+    def millm_pre_forward(self, ctx: Any, request: Any, plan: ForwardPlan) -> None:
+        plan.add_processor(lambda _row: _Boom(self.after))
+
+
+class _Gate:
+    def __init__(self, gate: threading.Event, delay: float) -> None:
+        self.gate = gate
+        self.delay = delay
+
+    def logit_bias(self) -> None:
+        return None
+
+    def on_token(self, token_id: int, text: str) -> tuple[str, bool]:
+        self.gate.wait(30)
+        if self.delay:
+            threading.Event().wait(self.delay)
+        return text, False
+
+    def flush(self) -> str:
+        return ""
+
+
+class GatePlugin:
+    """Every row waits at each token until ``gate`` is set, then ``delay`` seconds more."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.gate = threading.Event()
+        self.delay = delay
+
+    @hookimpl
+    def millm_pre_forward(self, ctx: Any, request: Any, plan: ForwardPlan) -> None:
+        plan.add_processor(lambda _row: _Gate(self.gate, self.delay))
+
+
+def row_info_ok(row: RowInfo) -> bool:
+    return row.index >= 0

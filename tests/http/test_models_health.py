@@ -1,0 +1,80 @@
+"""/v1/models, health and readiness."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+
+from millm_core.config import load_settings
+from millm_core.registry import ServedModel
+from millm_core.server.app import create_app
+from millm_core.testing import RunningServer
+
+
+def test_models_list_and_retrieve(client, tiny_engine) -> None:  # type: ignore[no-untyped-def]
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["tiny", "tiny-no-template"]
+    model = client.models.retrieve("tiny")
+    details = model.model_extra["millm"]
+    config = tiny_engine.model.config
+    assert details == {
+        "engine": "transformers",
+        "context_length": config.max_position_embeddings,
+        "d_model": config.hidden_size,
+        "n_layers": config.num_hidden_layers,
+        "dtype": "float32",
+        "revision": "tiny-llama-v1",
+        "quantization": "none",
+    }
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("missing")
+    assert info.value.body["code"] == "model_not_found"
+
+
+def test_unknown_route_and_method_are_openai_shaped(server) -> None:  # type: ignore[no-untyped-def]
+    missing = httpx.get(server.base_url + "/v1/nothing")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    wrong = httpx.get(server.base_url + "/v1/chat/completions")
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_readiness_follows_the_model_load(tiny_model: ServedModel) -> None:
+    release = threading.Event()
+
+    def loader() -> ServedModel:
+        release.wait(20)
+        return tiny_model
+
+    settings = load_settings({"log_level": "warning"}, environ={})
+    with RunningServer(create_app(settings, loader=loader)) as srv:
+        assert httpx.get(srv.base_url + "/api/health").json() == {"status": "ok"}
+        not_ready = httpx.get(srv.base_url + "/api/health/ready")
+        assert not_ready.status_code == 503 and not_ready.json()["error"]["code"] == "model_not_loaded"
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        assert info.value.status_code == 503 and info.value.body["code"] == "model_not_loaded"
+        release.set()
+        for _ in range(200):
+            if httpx.get(srv.base_url + "/api/health/ready").status_code == 200:
+                break
+            threading.Event().wait(0.05)
+        assert httpx.get(srv.base_url + "/api/health/ready").json() == {"status": "ready", "models": ["tiny"]}
+        assert client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2).choices
+
+
+def test_failed_load_is_reported(tiny_model: ServedModel) -> None:
+    def loader() -> ServedModel:
+        raise OSError("weights unreadable")
+
+    settings = load_settings({"log_level": "critical"}, environ={})
+    with RunningServer(create_app(settings, loader=loader)) as srv:
+        for _ in range(100):
+            resp = httpx.get(srv.base_url + "/api/health/ready")
+            if "weights unreadable" in resp.text:
+                break
+            threading.Event().wait(0.05)
+        assert resp.status_code == 503 and "weights unreadable" in resp.json()["error"]["message"]

@@ -1,0 +1,41 @@
+"""Refuses requests whose text contains the word "forbidden", and marks every response.
+
+It shows the three things a feature plugin usually does: validate (refuse with a clear
+400 naming the field), pre-forward (set a header) and finalize (add a body extension).
+It imports only millm_core, never the engines.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from millm_core.hookspecs import hookimpl
+from millm_core.pipeline_types import Problem
+
+BANNED = "forbidden"
+
+
+def _texts(request: Any) -> list[tuple[str, str]]:
+    if hasattr(request, "messages"):
+        return [(f"messages[{i}].content", m.text()) for i, m in enumerate(request.messages)]
+    prompts = request.prompts()
+    return [("prompt" if isinstance(request.prompt, str) else f"prompt[{i}]", p) for i, p in enumerate(prompts)]
+
+
+@hookimpl(tryfirst=True)
+def millm_validate(ctx: Any, request: Any) -> list[Problem]:
+    return [
+        Problem(f"{where} contains the word {BANNED!r}, which this server refuses", param=where, code="content_refused")
+        for where, text in _texts(request)
+        if BANNED in text
+    ]
+
+
+@hookimpl
+def millm_pre_forward(ctx: Any, request: Any, plan: Any) -> None:
+    ctx.set_header("X-Guard", "checked")
+
+
+@hookimpl
+def millm_finalize(ctx: Any, request: Any, outcome: Any, out: Any) -> None:
+    out.extensions["guard"] = {"choices_checked": len(outcome.choices)}

@@ -1,0 +1,112 @@
+"""The plugin spine: discovery through entry points, allow/block lists, hook order, and a
+real third-party package that refuses requests in validate."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from millm_core.config import load_settings
+from millm_core.errors import ConfigError
+from millm_core.plugins import PluginHost
+from millm_core.server.app import build_host
+
+PLUGIN_SRC = os.path.join(os.path.dirname(__file__), "plugins", "millm-example-guard")
+
+
+@pytest.fixture(scope="module")
+def installed_guard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """pip-install the example plugin package into a private directory on sys.path."""
+    target = str(tmp_path_factory.mktemp("site"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+         "--no-build-isolation", "--no-index", "--target", target, PLUGIN_SRC],
+        check=True,
+    )
+    sys.path.insert(0, target)
+    importlib.invalidate_caches()
+    try:
+        yield target
+    finally:
+        sys.path.remove(target)
+        for name in [m for m in sys.modules if m.startswith("millm_example_guard")]:
+            del sys.modules[name]
+        importlib.invalidate_caches()
+
+
+def test_builtins_are_discovered_like_third_party_plugins() -> None:
+    names = {ep.name for ep in importlib.metadata.entry_points(group="millm")}
+    assert {"engine.transformers", "sampling", "smollm2"} <= names
+    host = build_host(load_settings(environ={}))
+    assert {"core", "engine.transformers", "sampling", "smollm2"} <= set(host.names())
+
+
+def test_importing_plugins_does_not_import_torch() -> None:
+    code = (
+        "import sys; from millm_core.server.app import build_host; from millm_core.config import load_settings;"
+        "build_host(load_settings(environ={})); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_third_party_package_is_discovered_ordered_and_refuses(installed_guard: str, make_server) -> None:  # type: ignore[no-untyped-def]
+    host = build_host(load_settings(environ={}))
+    assert "guard" in host.names()
+    # tryfirst: the guard validates before the core does.
+    order = host.hook_order("millm_validate")
+    assert order.index("guard") < order.index("core")
+    with make_server(host=host) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a forbidden topic"}])
+        assert info.value.body == {
+            "message": "messages[0].content contains the word 'forbidden', which this server refuses",
+            "type": "invalid_request_error",
+            "param": "messages[0].content",
+            "code": "content_refused",
+        }
+        ok = httpx.post(srv.base_url + "/v1/completions", json={"model": "tiny", "prompt": ["fine", "also fine"], "max_tokens": 2})
+        assert ok.status_code == 200
+        assert ok.headers["x-guard"] == "checked"
+        assert ok.json()["guard"] == {"choices_checked": 2}
+
+
+def test_allow_list_excludes_the_guard(installed_guard: str) -> None:
+    host = build_host(load_settings({"plugins": ("sampling",)}, environ={}))
+    assert "guard" not in host.names()
+    assert "engine.transformers" in host.names()  # engines are infrastructure, always on
+    assert any(r.name == "guard" and not r.loaded for r in host.records)
+
+
+def test_unknown_plugin_name_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="unknown plugin 'nope'"):
+        build_host(load_settings({"plugins": ("nope",)}, environ={}))
+
+
+def test_without_sampling_plugin_sampling_fields_are_refused(make_server) -> None:  # type: ignore[no-untyped-def]
+    host = build_host(load_settings({"plugins": ()}, environ={}))
+    assert not host.has("sampling")
+    with make_server(host=host) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+        for field, value in (("temperature", 0.5), ("stop", ["x"]), ("seed", 3), ("top_p", 0.9)):
+            with pytest.raises(openai.BadRequestError) as info:
+                client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, **{field: value})
+            assert info.value.body["code"] == "field_not_honoured"
+            assert info.value.body["param"] == field
+        # Neutral values are still fine.
+        assert client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=1).choices
+
+
+def test_block_list_removes_an_engine() -> None:
+    host = PluginHost()
+    host.discover(load_settings({"block_plugins": ("engine.transformers",)}, environ={}))
+    assert not host.has("engine.transformers")
+    assert host.engines() == []
