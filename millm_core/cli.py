@@ -34,6 +34,7 @@ _HELP = {
     "max_body_bytes": "largest request body accepted; larger is 413 (default 4 MiB)",
     "default_max_tokens": "completion budget when a request sends no max_tokens (default 1024)",
     "threads": "torch intra-op threads (default: torch's own choice)",
+    "fast_decode": "true | false: the engine's lean decode step where it supports the architecture (default true)",
     "cache_dir": "where converted models are cached (default ~/.cache/millm)",
 }
 

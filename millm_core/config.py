@@ -31,12 +31,22 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     max_body_bytes: int = 4 * 1024 * 1024
     default_max_tokens: int = 1024
     threads: int | None = None
+    fast_decode: bool = True
     cache_dir: str | None = None
 
 
 # flag name -> (settings field, parser). One table serves env vars and CLI flags.
 def _csv(value: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in value.split(",") if p.strip())
+
+
+def _bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
 
 
 def _opt_int(value: str) -> int | None:
@@ -59,6 +69,7 @@ PARSERS: Mapping[str, object] = {
     "max_body_bytes": int,
     "default_max_tokens": int,
     "threads": _opt_int,
+    "fast_decode": _bool,
     "cache_dir": str,
 }
 

@@ -67,7 +67,8 @@ def create_app(
 
             async def load() -> None:
                 try:
-                    registry.add(await asyncio.to_thread(loader))
+                    # Loaded on the scheduler's thread: the one thread that runs model code.
+                    registry.add(await asyncio.wrap_future(scheduler.call(loader)))
                 except Exception as exc:  # noqa: BLE001 - reported by readiness and 503s
                     state.load_error = f"{type(exc).__name__}: {exc}"
                     log.exception("model_load_failed")

@@ -17,6 +17,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from millm_core.engine import ModelInfo, RowSpec, SamplingParams
 
 from .chat import render_chat_ids
+from .fastpath import KVCache, LlamaDecoder
 from .sampler import apply_biases, sample
 
 from .plugin import CAPABILITIES  # declared once, before any load
@@ -28,7 +29,9 @@ class HFBatch:
 
     prompts: list[tuple[int, ...]]
     params: list[SamplingParams]
+    started: bool = False
     cache: DynamicCache | None = None
+    kv: KVCache | None = None
     mask: torch.Tensor | None = None
     next_pos: torch.Tensor | None = None
     last_tokens: torch.Tensor | None = None
@@ -45,8 +48,16 @@ class TransformersEngine:
 
     capabilities = CAPABILITIES
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, info: ModelInfo, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        info: ModelInfo,
+        eos_token_ids: frozenset[int],
+        fast: LlamaDecoder | None = None,
+    ) -> None:
         self.model = model
+        self.fast = fast
         self.tokenizer = tokenizer
         self.info = info
         self.eos_token_ids = eos_token_ids
@@ -72,7 +83,8 @@ class TransformersEngine:
 
     @torch.inference_mode()
     def step(self, batch: HFBatch, biases: Sequence[Mapping[int, float] | None]) -> list[int]:
-        if batch.cache is None:
+        if not batch.started:
+            batch.started = True
             logits = self._prefill(batch)
         else:
             logits = self._decode(batch)
@@ -107,6 +119,9 @@ class TransformersEngine:
         )
         batch.mask = mask if padded else None
         batch.next_pos = positions[:, -1] + 1
+        if self.fast is not None:
+            batch.kv = KVCache.from_hf(batch.cache)
+            batch.cache = None
         batch.draw_pos = lengths
         return out.logits[:, -1, :]
 
@@ -115,6 +130,11 @@ class TransformersEngine:
         if batch.mask is not None:
             ones = torch.ones((batch.mask.shape[0], 1), dtype=batch.mask.dtype, device=self.device)
             batch.mask = torch.cat([batch.mask, ones], dim=1)
+        if self.fast is not None and batch.kv is not None:
+            mask = batch.mask.bool() if batch.mask is not None else None
+            logits = self.fast.step(batch.last_tokens, batch.next_pos, batch.kv, mask)
+            batch.next_pos = batch.next_pos + 1
+            return logits
         out = self.model(
             input_ids=batch.last_tokens[:, None],
             attention_mask=batch.mask,
@@ -134,6 +154,8 @@ class TransformersEngine:
         batch.draw_pos = [batch.draw_pos[i] for i in keep]
         if batch.cache is not None:
             batch.cache.batch_select_indices(index)
+        if batch.kv is not None:
+            batch.kv.select(index)
         if batch.mask is not None:
             batch.mask = batch.mask.index_select(0, index)
         if batch.next_pos is not None:
@@ -143,4 +165,5 @@ class TransformersEngine:
 
     def close(self, batch: HFBatch) -> None:
         batch.cache = None
+        batch.kv = None
         batch.mask = None

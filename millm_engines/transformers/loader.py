@@ -13,6 +13,7 @@ from millm_core.engine import ModelInfo, ModelLocation
 from millm_core.errors import ConfigError
 
 from .engine import TransformersEngine
+from .fastpath import LlamaDecoder, unsupported_reason
 
 log = structlog.get_logger("millm.engine.transformers")
 
@@ -80,5 +81,17 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
         owned_by=location.extra.get("owned_by", "millm"),
         created=int(os.path.getmtime(os.path.join(path, "config.json"))),
     )
-    log.info("model_loaded", model=info.served_name, dtype=info.dtype, context_length=context, threads=torch.get_num_threads())
-    return TransformersEngine(model, tokenizer, info, _eos_ids(tokenizer, path))
+    fast = None
+    reason = unsupported_reason(model) if settings.fast_decode else "disabled by --fast-decode false"
+    if reason is None:
+        fast = LlamaDecoder(model)
+    log.info(
+        "model_loaded",
+        model=info.served_name,
+        dtype=info.dtype,
+        context_length=context,
+        threads=torch.get_num_threads(),
+        fast_decode=fast is not None,
+        fast_decode_reason=reason,
+    )
+    return TransformersEngine(model, tokenizer, info, _eos_ids(tokenizer, path), fast=fast)
