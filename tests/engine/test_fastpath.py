@@ -1,0 +1,82 @@
+"""The lean decode path computes what HF's forward computes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from millm_core.config import load_settings
+from millm_core.engine import ModelLocation, RowSpec, SamplingParams
+from millm_engines.transformers.fastpath import KVCache, LlamaDecoder, unsupported_reason
+from millm_engines.transformers.loader import load_engine
+
+
+# A padded batch of two rows may take other matrix-kernel blockings than HF's separate
+# projections: the bound is a few units in the last place at the logits' magnitude (|logit|
+# below 16 here: float32 ulp ~1e-6, bfloat16 ulp 0.0625).
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-4), (torch.bfloat16, 0.125)])
+def test_fast_step_logits_match_hf_forward_padded_batch(tiny_engine, dtype: torch.dtype, atol: float) -> None:  # type: ignore[no-untyped-def]
+    model = copy.deepcopy(tiny_engine.model).to(dtype)
+    fast = LlamaDecoder(model)
+    prompts = [tiny_engine.encode(t, add_special_tokens=True) for t in ("import json", "a much longer prompt here")]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((2, width), dtype=torch.long)
+    mask = torch.zeros((2, width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        hf_cache = DynamicCache(config=model.config)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=hf_cache, use_cache=True, logits_to_keep=1)
+        fast_cache = KVCache.from_hf(hf_cache, extra=3)  # small, so the cache must grow mid-test
+        token = out.logits[:, -1].argmax(-1)
+        next_pos = pos[:, -1] + 1
+        for _ in range(8):
+            mask = torch.cat([mask, torch.ones((2, 1), dtype=torch.long)], dim=1)
+            ref = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos[:, None], cache=hf_cache, use_cache=True).logits[:, -1]
+            got = fast.step(token, next_pos, fast_cache, mask.bool())
+            assert ref.float().abs().max() < 16
+            assert torch.allclose(got.float(), ref.float(), atol=atol, rtol=0), (got.float() - ref.float()).abs().max()
+            token = ref.argmax(-1)
+            next_pos = next_pos + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_step_is_bit_identical_for_one_row(tiny_engine, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    model = copy.deepcopy(tiny_engine.model).to(dtype)
+    fast = LlamaDecoder(model)
+    ids = torch.tensor([tiny_engine.encode("import json and more", add_special_tokens=True)])
+    with torch.inference_mode():
+        hf_cache = DynamicCache(config=model.config)
+        out = model(input_ids=ids, cache=hf_cache, use_cache=True)
+        fast_cache = KVCache.from_hf(hf_cache)
+        token, pos = out.logits[:, -1].argmax(-1), torch.tensor([ids.shape[1]])
+        for _ in range(8):
+            ref = model(input_ids=token[:, None], position_ids=pos[:, None], cache=hf_cache, use_cache=True).logits[:, -1]
+            assert torch.equal(fast.step(token, pos, fast_cache, None), ref)
+            token, pos = ref.argmax(-1), pos + 1
+
+
+def test_fast_decode_off_gives_the_same_text(tiny_dir: str, tiny_engine) -> None:  # type: ignore[no-untyped-def]
+    slow = load_engine(ModelLocation(path=tiny_dir, served_name="slow"), load_settings({"fast_decode": False}, environ={}))
+    assert slow.fast is None and tiny_engine.fast is not None
+    prompt = tiny_engine.encode("for key in", add_special_tokens=True)
+
+    def greedy(engine) -> list[int]:  # type: ignore[no-untyped-def]
+        batch = engine.open_batch([RowSpec(prompt_ids=tuple(prompt), sampling=SamplingParams(temperature=0.0))])
+        return [engine.step(batch, [None])[0] for _ in range(30)]
+
+    assert greedy(slow) == greedy(tiny_engine)
+
+
+def test_unsupported_architectures_are_named(tiny_engine) -> None:  # type: ignore[no-untyped-def]
+    model = copy.deepcopy(tiny_engine.model)
+    assert unsupported_reason(model) is None
+    model.config.hidden_act = "gelu"
+    assert unsupported_reason(model) == "activation is not silu"
+    model.config.model_type = "gpt2"
+    assert "no fast decode path" in str(unsupported_reason(model))
