@@ -19,7 +19,7 @@ from .logs import configure_logging
 log = structlog.get_logger("millm.cli")
 
 _HELP = {
-    "model": "local checkpoint directory, a model a plugin offers, or a model in the local HF cache (default: the packaged SmolLM2-135M-Instruct)",
+    "model": "local checkpoint directory, a model a plugin offers, or a model in the local HF cache (default: the model a model-source plugin offers as default)",
     "host": "address to bind (default 127.0.0.1)",
     "port": "port to bind (default 8000)",
     "served_name": "name the model is served under (default: derived from --model)",

@@ -3,6 +3,7 @@ model-source plugin, or a model already in the local Hugging Face cache (offline
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -57,13 +58,7 @@ def locate(settings: Settings, host: PluginHost) -> ModelLocation:
     if name in sources:
         location: ModelLocation = sources[name].materialise(settings)
         if settings.served_name:
-            location = ModelLocation(
-                path=location.path,
-                served_name=settings.served_name,
-                revision=location.revision,
-                quantization=location.quantization,
-                extra=location.extra,
-            )
+            location = dataclasses.replace(location, served_name=settings.served_name)
         return location
     cached = _from_hf_cache(name)
     if cached:

@@ -8,7 +8,7 @@ one step.
 The worker thread is the only thread that runs model code: loading included (see
 :meth:`Scheduler.call`). With torch's OpenMP runtime, a second thread doing tensor work
 gets its own thread team, and the two teams then slow each other down for good (measured
-here: 27 → 19 tok/s on SmolLM2 after a single call from another thread).
+here: 27 → 19 tok/s on a 135M-parameter model after one call from another thread).
 
 Continuous batching (admitting rows of other requests into a running batch) is
 a policy change here: the engine contract already steps per-row state.

@@ -18,7 +18,8 @@ from millm_core.logs import configure_logging
 from millm_core.plugins import PluginHost
 from millm_core.registry import ModelRegistry, ServedModel
 from millm_core.server.app import build_host, create_app
-from millm_core.testing import RunningServer, tiny_model_dir
+from millm_core.testing import RunningServer
+from millm_engines.transformers.testing import tiny_model_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 configure_logging("console", os.environ.get("MILLM_TEST_LOG_LEVEL", "warning"))

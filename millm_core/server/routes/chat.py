@@ -15,9 +15,8 @@ from ...contracts.chat import (
     ChatDelta,
 )
 from ...contracts.common import Usage
-from ..pipeline import prepare
-from ..respond import Shapes, complete, stream
-from .common import decode_request, log_unused
+from ..respond import Shapes
+from .common import generate
 
 
 def _full(rid: str, created: int, model: str, fingerprint: str, texts: list[str], reasons: list[str], usage: Usage) -> ChatCompletionResponse:
@@ -44,7 +43,4 @@ SHAPES = Shapes(id_prefix="chatcmpl", full=_full, chunk=_chunk)
 
 
 async def chat_completions(request: Request) -> Response:
-    state, ctx, body = await decode_request(request, "chat.completions", ChatCompletionRequest)
-    prepared = prepare(state, ctx, body)
-    log_unused(ctx)
-    return stream(state, prepared, SHAPES) if ctx.stream else await complete(state, prepared, SHAPES)
+    return await generate(request, "chat.completions", ChatCompletionRequest, SHAPES)

@@ -7,12 +7,17 @@ from typing import TypeVar
 import msgspec
 import structlog
 from starlette.requests import Request
+from starlette.responses import Response
 
 from ...codec import convert, decode_json
 from ...context import Endpoint, RequestContext
+from ...contracts.chat import ChatCompletionRequest
+from ...contracts.completions import CompletionRequest
 from ...errors import ModelNotLoaded, PayloadTooLarge
 from ...unknown import unknown_fields
 from ..middleware import mint_request_id
+from ..pipeline import prepare
+from ..respond import Shapes, complete, stream
 from ..state import AppState
 
 T = TypeVar("T", bound=msgspec.Struct)
@@ -62,3 +67,11 @@ def log_unused(ctx: RequestContext) -> None:
     """One warning naming unused field locations — never their values."""
     if ctx.ignored_fields:
         log.warning("request_fields_unused", locations=ctx.ignored_fields, endpoint=ctx.endpoint)
+
+
+async def generate(request: Request, endpoint: Endpoint, type_: type[ChatCompletionRequest] | type[CompletionRequest], shapes: Shapes) -> Response:
+    """The generation endpoints' whole body: decode, prepare (every check), run, encode."""
+    state, ctx, body = await decode_request(request, endpoint, type_)
+    prepared = prepare(state, ctx, body)
+    log_unused(ctx)
+    return stream(state, prepared, shapes) if ctx.stream else await complete(state, prepared, shapes)

@@ -13,9 +13,8 @@ from ...contracts.completions import (
     CompletionRequest,
     CompletionResponse,
 )
-from ..pipeline import prepare
-from ..respond import Shapes, complete, stream
-from .common import decode_request, log_unused
+from ..respond import Shapes
+from .common import generate
 
 
 def _full(rid: str, created: int, model: str, fingerprint: str, texts: list[str], reasons: list[str], usage: Usage) -> CompletionResponse:
@@ -35,7 +34,4 @@ SHAPES = Shapes(id_prefix="cmpl", full=_full, chunk=_chunk)
 
 
 async def completions(request: Request) -> Response:
-    state, ctx, body = await decode_request(request, "completions", CompletionRequest)
-    prepared = prepare(state, ctx, body)
-    log_unused(ctx)
-    return stream(state, prepared, SHAPES) if ctx.stream else await complete(state, prepared, SHAPES)
+    return await generate(request, "completions", CompletionRequest, SHAPES)

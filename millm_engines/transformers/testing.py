@@ -1,0 +1,124 @@
+"""Offline test models for the transformers engine, reusable by plugin authors: a tiny
+Llama-architecture checkpoint with a freshly trained byte-level BPE tokenizer, built in
+seconds from local text (the interpreter's own standard library) and cached on disk.
+
+The weights are random (fixed seed): outputs are meaningless but deterministic, which is
+what tests of serving mechanics need. torch and transformers are imported inside the
+builder only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sysconfig
+import tempfile
+
+TINY_VERSION = "tiny-llama-v1"
+BOS, EOS, PAD = "<s>", "<|im_end|>", "<pad>"
+SPECIAL_TOKENS = [PAD, BOS, "</s>", "<|im_start|>", EOS]
+CHATML_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS_FILES = ("textwrap.py", "string.py", "json/decoder.py", "json/encoder.py", "argparse.py", "difflib.py")
+
+
+def _corpus() -> list[str]:
+    stdlib = sysconfig.get_paths()["stdlib"]
+    texts: list[str] = []
+    for rel in _CORPUS_FILES:
+        path = os.path.join(stdlib, rel)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as fh:
+                texts.append(fh.read())
+    texts.append("The capital of France is Paris. Héllo wörld — naïve café 東京 🙂\n" * 20)
+    return texts
+
+
+def build_tokenizer(vocab_size: int = 1024):  # noqa: ANN201 - returns PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    bos_id = tok.token_to_id(BOS)
+    # The tokenizer's own rule adds a BOS, as Llama-style tokenizers do.
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+
+
+def build_tiny_model(
+    path: str,
+    *,
+    hidden_size: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    context: int = 512,
+    chat_template: bool = True,
+    seed: int = 0,
+) -> str:
+    """Write a tiny Llama checkpoint (config, safetensors, tokenizer) to ``path``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer()
+    if chat_template:
+        tokenizer.chat_template = CHATML_TEMPLATE
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=context,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    # Larger weights than the default init give peaked, varied next-token distributions,
+    # so greedy text is not one token repeated.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.35)
+    model.eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def tiny_model_dir(root: str | None = None, *, chat_template: bool = True) -> str:
+    """The cached tiny model directory, built once (atomically) if missing."""
+    root = root or os.path.join(os.path.expanduser("~"), ".cache", "millm", "test-models")
+    name = TINY_VERSION + ("" if chat_template else "-no-template")
+    target = os.path.join(root, name)
+    marker = os.path.join(target, "millm_source.json")
+    if os.path.isfile(marker):
+        return target
+    os.makedirs(root, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".build-", dir=root)
+    try:
+        build_tiny_model(staging, chat_template=chat_template)
+        with open(os.path.join(staging, "millm_source.json"), "w") as fh:
+            json.dump({"revision": name, "quantization": "none"}, fh)
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
