@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import structlog
 
 from . import __version__
-from .config import PARSERS, Settings, env_name, load_settings
+from .config import PARSERS, PluginSetting, Settings, env_name, load_settings
 from .errors import ConfigError
 from .logs import configure_logging
 
@@ -39,23 +39,29 @@ _HELP = {
 }
 
 
-def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+def _add_settings_flags(parser: argparse.ArgumentParser, plugin_settings: Sequence[PluginSetting]) -> None:
     for field in PARSERS:
         flag = "--" + field.replace("_", "-")
         parser.add_argument(flag, dest=field, default=None, help=f"{_HELP.get(field, '')} [{env_name(field)}]")
+    if plugin_settings:
+        group = parser.add_argument_group("plugin settings")
+        for setting in plugin_settings:
+            flag = "--" + setting.name.replace("_", "-")
+            help_text = f"{setting.help} (default {setting.default!r}) [{env_name(setting.name)}]"
+            group.add_argument(flag, dest=setting.name, default=None, type=setting.parse, help=help_text)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(plugin_settings: Sequence[PluginSetting] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="millm", description="An OpenAI-compatible model server for interpretability research")
     parser.add_argument("--version", action="version", version=f"millm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_settings_flags(sub.add_parser("serve", help="serve a model over the OpenAI API"))
-    _add_settings_flags(sub.add_parser("models", help="list the models plugins offer and the installed plugins"))
+    _add_settings_flags(sub.add_parser("serve", help="serve a model over the OpenAI API"), plugin_settings)
+    _add_settings_flags(sub.add_parser("models", help="list the models plugins offer and the installed plugins"), plugin_settings)
     return parser
 
 
-def _overrides(args: argparse.Namespace) -> dict[str, object]:
-    out: dict[str, object] = {}
+def _overrides(args: argparse.Namespace, plugin_settings: Sequence[PluginSetting]) -> dict[str, object]:
+    out: dict[str, object] = {s.name: getattr(args, s.name) for s in plugin_settings if getattr(args, s.name, None) is not None}
     for field, parse in PARSERS.items():
         raw = getattr(args, field, None)
         if raw is not None:
@@ -106,12 +112,15 @@ def _models(settings: Settings) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     # millm never downloads: make the Hugging Face libraries fail instead of fetching.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
-        settings = load_settings(_overrides(args))
+        from .plugins import PluginHost
+
+        declared = PluginHost.declared_settings()
+        args = build_parser(declared).parse_args(argv)
+        settings = load_settings(_overrides(args, declared), plugin_settings=declared)
         configure_logging(settings.log_format, settings.log_level)
         if args.command == "serve":
             asyncio.run(_serve(settings))

@@ -4,8 +4,9 @@ flag > environment > default."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Literal
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import msgspec
 
@@ -33,6 +34,23 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     threads: int | None = None
     fast_decode: bool = True
     cache_dir: str | None = None
+    # Values of the settings plugins declared through ``millm_register_settings``.
+    plugin_values: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def plugin(self, name: str) -> Any:
+        """A plugin setting's value (its default when not set)."""
+        return self.plugin_values[name]
+
+
+@dataclass(frozen=True)
+class PluginSetting:
+    """A setting a plugin declares; it becomes ``--<name>`` and ``MILLM_<NAME>`` like the
+    core's own, and its value is ``settings.plugin(name)``."""
+
+    name: str
+    default: Any
+    help: str = ""
+    parse: Callable[[str], Any] = str
 
 
 # flag name -> (settings field, parser). One table serves env vars and CLI flags.
@@ -78,10 +96,37 @@ def env_name(field: str) -> str:
     return "MILLM_" + field.upper()
 
 
-def load_settings(overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
-    """Build settings from ``MILLM_*`` environment variables, then ``overrides`` (flags)."""
+def _plugin_values(
+    declared: Sequence[PluginSetting], overrides: Mapping[str, object], environ: Mapping[str, str]
+) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for setting in declared:
+        if setting.name in PARSERS or setting.name in values:
+            raise ConfigError(f"plugin setting {setting.name!r} is declared twice or shadows a core setting")
+        values[setting.name] = setting.default
+        raw = environ.get(env_name(setting.name))
+        if raw is not None and raw != "":
+            try:
+                values[setting.name] = setting.parse(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{env_name(setting.name)}={raw!r}: {exc}") from exc
+        if overrides.get(setting.name) is not None:
+            values[setting.name] = overrides[setting.name]
+    return values
+
+
+def load_settings(
+    overrides: Mapping[str, object] | None = None,
+    environ: Mapping[str, str] | None = None,
+    plugin_settings: Sequence[PluginSetting] = (),
+) -> Settings:
+    """Build settings from ``MILLM_*`` environment variables, then ``overrides`` (flags).
+    ``plugin_settings`` are the settings plugins declared; their values land in
+    ``Settings.plugin_values``."""
     environ = os.environ if environ is None else environ
-    values: dict[str, object] = {}
+    overrides = dict(overrides or {})
+    plugin_values = _plugin_values(plugin_settings, overrides, environ)
+    values: dict[str, object] = {"plugin_values": plugin_values}
     for field, parse in PARSERS.items():
         raw = environ.get(env_name(field))
         if raw is not None and raw != "":
@@ -89,8 +134,8 @@ def load_settings(overrides: Mapping[str, object] | None = None, environ: Mappin
                 values[field] = parse(raw)  # type: ignore[operator]
             except ValueError as exc:
                 raise ConfigError(f"{env_name(field)}={raw!r}: {exc}") from exc
-    for key, value in (overrides or {}).items():
-        if value is not None:
+    for key, value in overrides.items():
+        if value is not None and key not in plugin_values:
             values[key] = value
     try:
         settings = msgspec.convert(values, Settings)

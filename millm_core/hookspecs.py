@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from .config import Settings
+    from .config import PluginSetting, Settings
     from .context import RequestContext
     from .engine import EngineFactory, ModelSource
     from .fields import FieldRule
@@ -57,6 +57,18 @@ def millm_default_model(settings: Settings) -> str | None:
 
     Return: a model name or path, or None to let another plugin answer. The first
     non-None answer wins.
+    """
+
+
+@hookspec
+def millm_register_settings(register: Callable[[PluginSetting], None]) -> None:
+    """Declare settings: ``register(PluginSetting(name, default, help, parse))``. Each
+    becomes a ``millm serve --<name>`` flag and a ``MILLM_<NAME>`` environment variable;
+    read the value with ``ctx.settings.plugin(name)``. Names must not shadow a core
+    setting or another plugin's.
+
+    Return: nothing. Declared by every installed plugin, enabled or not, so that the
+    command line is the same whatever the allow-list.
     """
 
 

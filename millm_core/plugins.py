@@ -19,7 +19,7 @@ import pluggy
 import structlog
 
 from . import hookspecs
-from .config import Settings
+from .config import PluginSetting, Settings
 from .context import RequestContext
 from .engine import EngineFactory, ModelSource
 from .errors import ConfigError
@@ -87,6 +87,14 @@ class PluginHost:
             self.register(plugin, ep.name, origin=ep.value)
             log.debug("plugin_loaded", plugin=ep.name, kind=kind)
 
+    @classmethod
+    def declared_settings(cls) -> list[PluginSetting]:
+        """The settings every installed plugin declares, enabled or not (cheap: plugin
+        modules import no heavy libraries)."""
+        host = cls()
+        host.discover(Settings())
+        return host.plugin_settings()
+
     def has(self, name: str) -> bool:
         return self._pm.has_plugin(name)
 
@@ -113,6 +121,11 @@ class PluginHost:
     def default_model(self, settings: Settings) -> str | None:
         result: str | None = self._pm.hook.millm_default_model(settings=settings)
         return result
+
+    def plugin_settings(self) -> list[PluginSetting]:
+        found: list[PluginSetting] = []
+        self._pm.hook.millm_register_settings(register=found.append)
+        return found
 
     def field_rules(self) -> list[FieldRule]:
         found: list[FieldRule] = []

@@ -79,6 +79,22 @@ def test_third_party_package_is_discovered_ordered_and_refuses(installed_guard: 
         assert ok.json()["guard"] == {"choices_checked": 2}
 
 
+def test_plugin_setting_changes_behaviour_and_appears_on_the_command_line(installed_guard: str, make_server) -> None:  # type: ignore[no-untyped-def]
+    from millm_core.cli import build_parser
+
+    host = build_host(load_settings(environ={}))
+    declared = PluginHost.declared_settings()
+    assert [s.name for s in declared] == ["guard_word"]
+    serve_help = build_parser(declared)._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
+    assert "--guard-word" in serve_help and "MILLM_GUARD_WORD" in serve_help
+    with make_server(host=host, guard_word="banana") as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a banana"}], max_tokens=2)
+        assert info.value.body["message"] == "messages[0].content contains the word 'banana', which this server refuses"
+        assert client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "forbidden"}], max_tokens=2).choices
+
+
 def test_allow_list_excludes_the_guard(installed_guard: str) -> None:
     host = build_host(load_settings({"plugins": ("sampling",)}, environ={}))
     assert "guard" not in host.names()

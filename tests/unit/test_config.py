@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from millm_core.cli import build_parser
-from millm_core.config import PARSERS, Settings, env_name, load_settings
+from millm_core.config import PARSERS, PluginSetting, Settings, env_name, load_settings
 from millm_core.errors import ConfigError
 
 
@@ -28,8 +28,19 @@ def test_bad_values_are_config_errors(env: dict[str, str]) -> None:
 
 
 def test_every_setting_has_a_flag_and_an_env_var() -> None:
-    assert set(PARSERS) == set(Settings.__struct_fields__)
+    assert set(PARSERS) == set(Settings.__struct_fields__) - {"plugin_values"}
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
     for field in PARSERS:
         assert "--" + field.replace("_", "-") in help_text
         assert env_name(field) in help_text
+
+
+def test_plugin_settings_come_from_environment_and_flags() -> None:
+    declared = [PluginSetting("probe_window", 8, "window size", int), PluginSetting("probe_name", "none")]
+    s = load_settings(environ={"MILLM_PROBE_WINDOW": "16"}, plugin_settings=declared)
+    assert (s.plugin("probe_window"), s.plugin("probe_name")) == (16, "none")
+    assert load_settings({"probe_window": 32}, environ={"MILLM_PROBE_WINDOW": "16"}, plugin_settings=declared).plugin("probe_window") == 32
+    with pytest.raises(ConfigError):
+        load_settings(environ={"MILLM_PROBE_WINDOW": "wide"}, plugin_settings=declared)
+    with pytest.raises(ConfigError, match="shadows"):
+        load_settings(environ={}, plugin_settings=[PluginSetting("port", 1)])

@@ -1,18 +1,22 @@
-"""Refuses requests whose text contains the word "forbidden", and marks every response.
+"""Refuses requests whose text contains a banned word, and marks every response.
 
-It shows the three things a feature plugin usually does: validate (refuse with a clear
-400 naming the field), pre-forward (set a header) and finalize (add a body extension).
-It imports only millm_core, never the engines.
+It shows what a feature plugin usually does: declare a setting (``--guard-word`` /
+``MILLM_GUARD_WORD``), validate (refuse with a clear 400 naming the field), pre-forward
+(set a header) and finalize (add a body extension). It imports only millm_core.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from millm_core.config import PluginSetting
 from millm_core.hookspecs import hookimpl
 from millm_core.pipeline_types import Problem
 
-BANNED = "forbidden"
+
+@hookimpl
+def millm_register_settings(register: Any) -> None:
+    register(PluginSetting("guard_word", "forbidden", "the word this server refuses"))
 
 
 def _texts(request: Any) -> list[tuple[str, str]]:
@@ -24,10 +28,11 @@ def _texts(request: Any) -> list[tuple[str, str]]:
 
 @hookimpl(tryfirst=True)
 def millm_validate(ctx: Any, request: Any) -> list[Problem]:
+    banned = ctx.settings.plugin("guard_word")
     return [
-        Problem(f"{where} contains the word {BANNED!r}, which this server refuses", param=where, code="content_refused")
+        Problem(f"{where} contains the word {banned!r}, which this server refuses", param=where, code="content_refused")
         for where, text in _texts(request)
-        if BANNED in text
+        if banned in text
     ]
 
 
