@@ -33,6 +33,31 @@ log = structlog.get_logger("millm.pipeline")
 
 # Message fields the engines' renderers read; any other sent message field is reported.
 RENDERED_MESSAGE_FIELDS = ("role", "content")
+STRICT_HEADER = "x-millm-strict"
+
+
+def strict_mode(ctx: RequestContext) -> bool:
+    """``X-miLLM-Strict``: ``true``/``1`` refuses unused fields, ``false``/``0``/absent
+    reports them; any other value is refused, naming the header."""
+    raw = ctx.headers.get(STRICT_HEADER)
+    if raw is None:
+        return False
+    value = raw.strip().lower()
+    if value in ("true", "1"):
+        return True
+    if value in ("false", "0"):
+        return False
+    raise InvalidRequest(f"X-miLLM-Strict must be true, 1, false or 0; got {raw!r}", param="X-miLLM-Strict", code="invalid_header")
+
+
+def refuse_unused_if_strict(ctx: RequestContext) -> None:
+    """In strict mode, any unused field location refuses the whole request."""
+    if strict_mode(ctx) and ctx.ignored_fields:
+        raise InvalidRequest(
+            "X-miLLM-Strict is set and these fields would not be used: " + ", ".join(ctx.ignored_fields),
+            param=ctx.ignored_fields[0],
+            code="unused_fields_refused",
+        )
 
 
 def problems_error(problems: list[Problem]) -> MillmError:
@@ -77,7 +102,6 @@ def _prompt_ids(ctx: RequestContext, request: ChatCompletionRequest | Completion
     if isinstance(request, ChatCompletionRequest):
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         kwargs = request.chat_template_kwargs if _sent(request.chat_template_kwargs) else {}
-        ctx.ignored_fields.extend(_unread_message_fields(request))
         return [engine.render_chat(messages, **kwargs)]  # type: ignore[call-arg]
     add_special = request.add_special_tokens if _sent(request.add_special_tokens) else True
     prompts = [engine.encode(text, add_special_tokens=bool(add_special)) for text in request.prompts()]
@@ -112,6 +136,9 @@ def _budget(request: ChatCompletionRequest | CompletionRequest, prompts: list[li
 
 def prepare(state: AppState, ctx: RequestContext, request: ChatCompletionRequest | CompletionRequest) -> Prepared:
     """Every check and every plan contribution; raises on refusal, runs nothing."""
+    if isinstance(request, ChatCompletionRequest):
+        ctx.ignored_fields.extend(_unread_message_fields(request))
+    refuse_unused_if_strict(ctx)
     problems = state.host.validate(ctx, request)
     if problems:
         raise problems_error(problems)
