@@ -20,7 +20,7 @@ from .registry import ModelRegistry, ServedModel
 NAME = "core"
 
 # Fields the pipeline itself consumes; they are never refused.
-STRUCTURAL_FIELDS = ("model", "messages", "prompt")
+STRUCTURAL_FIELDS = ("model", "messages", "prompt", "input")
 
 
 def _sent(value: Any) -> bool:

@@ -11,7 +11,7 @@ from .config import Settings
 
 T = TypeVar("T")
 
-Endpoint = Literal["chat.completions", "completions"]
+Endpoint = Literal["chat.completions", "completions", "embeddings"]
 
 
 class StashKey(Generic[T]):

@@ -145,6 +145,15 @@ class Engine(Protocol):
         """Free everything the batch holds."""
 
 
+@runtime_checkable
+class Embedder(Protocol):
+    """What an engine with :attr:`Capability.EMBEDDINGS` offers besides generation."""
+
+    def embed(self, inputs: Sequence[Sequence[int]], pooling: str) -> list[list[float]]:
+        """One float32 vector per input from the last hidden layer: ``mean`` over real
+        tokens, the ``last`` real token, or the first (``cls``). Unsteered, always."""
+
+
 @dataclass(frozen=True)
 class EngineFactory:
     """How an engine plugin offers itself. ``can_load`` says whether this engine serves

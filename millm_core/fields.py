@@ -19,7 +19,7 @@ import msgspec
 from .context import Endpoint
 from .engine import Capability
 
-ALL_ENDPOINTS: tuple[Endpoint, ...] = ("chat.completions", "completions")
+ALL_ENDPOINTS: tuple[Endpoint, ...] = ("chat.completions", "completions")  # the generation endpoints
 
 
 @dataclass(frozen=True)
@@ -99,3 +99,47 @@ class FieldPolicy:
             if not self.honours(name, endpoint, capabilities):
                 refused.append(name)
         return refused
+
+
+class PolicyCell(msgspec.Struct, frozen=True, kw_only=True):
+    """One cell of the field × endpoint × engine table."""
+
+    field: str
+    endpoint: str
+    engine: str
+    status: str  # "honoured", "honoured-with-condition", "refused"
+    by: str | None = None
+    condition: str | None = None
+    reason: str | None = None
+
+
+def policy_table(
+    policy: FieldPolicy,
+    contracts: Mapping[Endpoint, type[msgspec.Struct]],
+    engines: Iterable[tuple[str, frozenset[Capability]]],
+    structural: Iterable[str],
+) -> list[PolicyCell]:
+    """Every declared request field of every endpoint, on every engine: honoured (by
+    whom, under which condition) or refused (and why). Fields a contract does not declare
+    are never in the table: they cannot change the output and are always reported."""
+    structural = set(structural)
+    cells: list[PolicyCell] = []
+    engine_list = list(engines)
+    for endpoint, contract in contracts.items():
+        for name in contract.__struct_fields__:
+            for engine, caps in engine_list:
+                if name in structural:
+                    cells.append(PolicyCell(field=name, endpoint=endpoint, engine=engine, status="honoured", by="core"))
+                    continue
+                rules = [r for r in policy.rules().get(name, ()) if endpoint in r.endpoints]
+                usable = [r for r in rules if r.requires is None or r.requires in caps]
+                if usable:
+                    rule = usable[0]
+                    status = "honoured-with-condition" if rule.condition else "honoured"
+                    cells.append(PolicyCell(field=name, endpoint=endpoint, engine=engine, status=status, by=rule.by, condition=rule.condition or None))
+                elif rules:
+                    needed = ", ".join(sorted({r.requires.value for r in rules if r.requires}))
+                    cells.append(PolicyCell(field=name, endpoint=endpoint, engine=engine, status="refused", reason=f"the engine lacks the capability {needed}"))
+                else:
+                    cells.append(PolicyCell(field=name, endpoint=endpoint, engine=engine, status="refused", reason="no enabled plugin honours it on this endpoint"))
+    return cells

@@ -4,3 +4,14 @@ Optional wire fields default to ``UNSET`` so that "not sent" and "sent as null" 
 distinguishable; ranges are part of the contract (``Meta``) and so appear in the
 published schema.
 """
+
+from .chat import ChatCompletionRequest
+from .completions import CompletionRequest
+from .embeddings import EmbeddingRequest
+
+# The request contract of each endpoint, as the policy table and the schemas see them.
+ENDPOINT_CONTRACTS = {
+    "chat.completions": ChatCompletionRequest,
+    "completions": CompletionRequest,
+    "embeddings": EmbeddingRequest,
+}

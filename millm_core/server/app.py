@@ -24,6 +24,7 @@ from .middleware import RequestIdMiddleware
 from .routes.chat import chat_completions
 from .routes.completions import completions
 from .routes.health import health, inference, ready
+from .routes.health import policy as policy_route
 from .routes.models import get_model, list_models
 from .state import AppState
 
@@ -92,6 +93,7 @@ def create_app(
         Route("/api/health", health, methods=["GET"]),
         Route("/api/health/ready", ready, methods=["GET"]),
         Route("/api/health/inference", inference, methods=["GET"]),
+        Route("/api/policy", policy_route, methods=["GET"]),
     ]
     for path, endpoint, methods in host.routes():
         routes.append(Route(path, endpoint, methods=methods))

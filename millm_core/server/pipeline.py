@@ -134,6 +134,17 @@ def _budget(request: ChatCompletionRequest | CompletionRequest, prompts: list[li
     return min(default, limit - longest)
 
 
+def check_field_policy(state: AppState, ctx: RequestContext, request: msgspec.Struct, model: ServedModel) -> None:
+    """Refuse, naming them, the non-neutral fields nothing honours for this endpoint and engine."""
+    refused = state.policy.refusals(request, ctx.endpoint, model.capabilities, STRUCTURAL_FIELDS)
+    if refused:
+        raise FieldNotHonoured(
+            f"{', '.join(refused)}: not honoured by this server for {ctx.endpoint} on the "
+            f"{model.info.engine} engine with the enabled plugins; the request was not run",
+            param=refused[0],
+        )
+
+
 def prepare(state: AppState, ctx: RequestContext, request: ChatCompletionRequest | CompletionRequest) -> Prepared:
     """Every check and every plan contribution; raises on refusal, runs nothing."""
     if isinstance(request, ChatCompletionRequest):
@@ -145,13 +156,7 @@ def prepare(state: AppState, ctx: RequestContext, request: ChatCompletionRequest
     model = state.host.resolve(ctx, request, state.models)
     if model is None:  # pragma: no cover - the core's resolve always answers or raises
         raise InvalidRequest("no plugin resolved a model for this request", param="model")
-    refused = state.policy.refusals(request, ctx.endpoint, model.capabilities, STRUCTURAL_FIELDS)
-    if refused:
-        raise FieldNotHonoured(
-            f"{', '.join(refused)}: not honoured by this server for {ctx.endpoint} on the "
-            f"{model.info.engine} engine with the enabled plugins; the request was not run",
-            param=refused[0],
-        )
+    check_field_policy(state, ctx, request, model)
     prompts = _prompt_ids(ctx, request, model)
     max_new = _budget(request, prompts, model, state.settings.default_max_tokens)
     plan = ForwardPlan(sampling=SamplingParams(seed=fresh_seed(ctx.request_id)), max_new_tokens=max_new)

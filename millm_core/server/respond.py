@@ -17,6 +17,7 @@ import structlog
 from starlette.responses import Response, StreamingResponse
 
 from ..codec import SSE_DONE, encode, sse_frame
+from ..context import RequestContext
 from ..contracts.common import Usage
 from ..errors import MillmError
 from ..sfv import string_list
@@ -41,12 +42,16 @@ class Shapes:
     chunk: Callable[..., msgspec.Struct]
 
 
-def _headers(state: AppState, prepared: Prepared) -> dict[str, str]:
-    ctx = prepared.ctx
-    headers = {"X-miLLM-Model": prepared.model.info.served_name, **ctx.response_headers}
+def response_headers(ctx: RequestContext, served_name: str) -> dict[str, str]:
+    """Headers every model response carries: the model, plugin headers, unused fields."""
+    headers = {"X-miLLM-Model": served_name, **ctx.response_headers}
     if ctx.ignored_fields:
         headers[IGNORED_FIELDS_HEADER] = string_list(ctx.ignored_fields, IGNORED_FIELDS_HEADER_MAX_BYTES)
     return headers
+
+
+def _headers(state: AppState, prepared: Prepared) -> dict[str, str]:
+    return response_headers(prepared.ctx, prepared.model.info.served_name)
 
 
 def _body_with_extensions(obj: msgspec.Struct, extensions: dict[str, Any]) -> bytes:

@@ -22,6 +22,8 @@ from .sampler import apply_biases, sample
 
 from .plugin import CAPABILITIES  # declared once, before any load
 
+EMBED_BATCH = 16
+
 
 @dataclass
 class HFBatch:
@@ -162,6 +164,33 @@ class TransformersEngine:
             batch.next_pos = batch.next_pos.index_select(0, index)
         if batch.last_tokens is not None:
             batch.last_tokens = batch.last_tokens.index_select(0, index)
+
+    # ------------------------------------------------------------------ embeddings
+
+    @torch.inference_mode()
+    def embed(self, inputs: Sequence[Sequence[int]], pooling: str) -> list[list[float]]:
+        """Pooled last hidden states, right-padded batches of ``EMBED_BATCH``."""
+        base = self.model.base_model
+        vectors: list[list[float]] = []
+        for start in range(0, len(inputs), EMBED_BATCH):
+            chunk = inputs[start : start + EMBED_BATCH]
+            lengths = torch.tensor([len(ids) for ids in chunk])
+            width = int(lengths.max())
+            ids = torch.full((len(chunk), width), self._pad_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, seq in enumerate(chunk):
+                ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+                mask[row, : len(seq)] = 1
+            hidden = base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state.float()
+            if pooling == "last":
+                pooled = hidden[torch.arange(len(chunk)), lengths - 1]
+            elif pooling == "cls":
+                pooled = hidden[:, 0]
+            else:
+                weights = mask.to(hidden.device, hidden.dtype)[..., None]
+                pooled = (hidden * weights).sum(1) / weights.sum(1)
+            vectors.extend(pooled.cpu().tolist())
+        return vectors
 
     def close(self, batch: HFBatch) -> None:
         batch.cache = None

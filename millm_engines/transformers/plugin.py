@@ -10,7 +10,7 @@ from millm_core.hookspecs import hookimpl
 
 MILLM_PLUGIN_KIND = "engine"
 
-CAPABILITIES = frozenset({Capability.GENERATE, Capability.SEED, Capability.MULTIPLE_CHOICES})
+CAPABILITIES = frozenset({Capability.GENERATE, Capability.SEED, Capability.MULTIPLE_CHOICES, Capability.EMBEDDINGS})
 
 
 def _can_load(location: ModelLocation) -> bool:

@@ -5,7 +5,10 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ...builtin import STRUCTURAL_FIELDS
 from ...codec import encode
+from ...contracts import ENDPOINT_CONTRACTS
+from ...fields import policy_table
 from ...errors import ModelNotLoaded
 from .common import app_state
 
@@ -20,6 +23,14 @@ async def ready(request: Request) -> Response:
         reason = state.load_error or ("loading" if state.loading else "no model")
         raise ModelNotLoaded(f"No model is loaded ({reason})")
     return JSONResponse({"status": "ready", "models": [m.info.served_name for m in state.models]})
+
+
+async def policy(request: Request) -> Response:
+    """The field policy table for the engines installed and the plugins enabled."""
+    state = app_state(request)
+    engines = [(f.name, f.capabilities) for f in state.host.engines()]
+    cells = policy_table(state.policy, ENDPOINT_CONTRACTS, engines, STRUCTURAL_FIELDS)
+    return Response(encode({"object": "list", "data": cells}), media_type="application/json")
 
 
 async def inference(request: Request) -> Response:

@@ -1,0 +1,1 @@
+"""``/v1/embeddings`` on engines that can embed."""

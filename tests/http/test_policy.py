@@ -1,0 +1,72 @@
+"""The field policy table: complete, and true — every cell is checked against the server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from millm_core.contracts import ENDPOINT_CONTRACTS
+
+# A valid, non-neutral value for every declared request field. A new contract field
+# without a sample fails test_every_cell_behaves_as_the_table_says.
+SAMPLES: dict[str, Any] = {
+    "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.5, "top_p": 0.9, "top_k": 5,
+    "n": 2, "max_tokens": 2, "max_completion_tokens": 2, "seed": 1, "stop": ["x"], "frequency_penalty": 0.5,
+    "presence_penalty": 0.5, "logit_bias": {"1": 1.0}, "logprobs": True, "top_logprobs": 2, "allowed_token_ids": [1],
+    "return_tokens_as_token_ids": True, "scoring_precision": "float32", "profile": "p", "steering": {"features": []},
+    "steering_intensity": 0.5, "return_sae_activations": {"sae_id": "s"}, "response_format": {"type": "json_object"},
+    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "parallel_tool_calls": False,
+    "chat_template_kwargs": {"flag": True}, "add_special_tokens": False, "echo": True, "suffix": "x", "best_of": 2,
+    "encoding_format": "float", "pooling": "last", "normalize": True, "dimensions": 8,
+}
+STRUCTURAL = {"model", "messages", "prompt", "input"}
+PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+BASES: dict[str, dict[str, Any]] = {
+    "chat.completions": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    "completions": {"model": "tiny", "prompt": "x", "max_tokens": 2},
+    "embeddings": {"model": "tiny", "input": "x"},
+}
+
+
+def table(base_url: str) -> list[dict[str, Any]]:
+    return httpx.get(base_url + "/api/policy").json()["data"]
+
+
+def test_table_has_one_cell_per_field_endpoint_and_engine(server) -> None:  # type: ignore[no-untyped-def]
+    cells = table(server.base_url)
+    keys = [(c["field"], c["endpoint"], c["engine"]) for c in cells]
+    assert len(keys) == len(set(keys))
+    expected = {(f, e, "transformers") for e, contract in ENDPOINT_CONTRACTS.items() for f in contract.__struct_fields__}
+    assert set(keys) == expected
+    for cell in cells:
+        assert cell["status"] in ("honoured", "honoured-with-condition", "refused")
+        assert (cell["status"] == "refused") == (cell["reason"] is not None)
+
+
+def test_every_cell_behaves_as_the_table_says(server) -> None:  # type: ignore[no-untyped-def]
+    for cell in table(server.base_url):
+        field, endpoint = cell["field"], cell["endpoint"]
+        if field in STRUCTURAL:
+            continue
+        assert field in SAMPLES, f"add a sample value for {field}"
+        body = {**BASES[endpoint], field: SAMPLES[field]}
+        resp = httpx.post(server.base_url + PATHS[endpoint], json=body, timeout=30)
+        error = resp.json().get("error") if resp.headers["content-type"].startswith("application/json") else None
+        if cell["status"] == "refused":
+            assert resp.status_code == 400, (cell, resp.text)
+            assert error["code"] == "field_not_honoured" and error["param"] == field, (cell, error)
+        else:
+            assert resp.status_code == 200, (cell, resp.text)
+
+
+@pytest.mark.parametrize("field", ["temperature", "seed", "stop", "encoding_format"])
+def test_disabling_a_plugin_turns_its_cells_to_refused(make_server, field: str) -> None:  # type: ignore[no-untyped-def]
+    from millm_core.config import load_settings
+    from millm_core.server.app import build_host
+
+    host = build_host(load_settings({"plugins": ()}, environ={}))
+    with make_server(host=host) as srv:
+        cells = [c for c in table(srv.base_url) if c["field"] == field]
+        assert cells and all(c["status"] == "refused" for c in cells)
