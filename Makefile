@@ -43,5 +43,8 @@ test-fast: $(VENV)/.dev
 bench: $(VENV)/.dev
 	$(PY) bench/bench_decode.py $(ARGS)
 
+schemas: $(VENV)/.base
+	$(PY) -m millm_core.openapi docs/schemas/openapi.json
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

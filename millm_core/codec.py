@@ -30,6 +30,9 @@ def decode_json(body: bytes) -> Any:
         return _raw_decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"Request body is not valid JSON: {exc}", code="invalid_json") from exc
+    except RecursionError as exc:
+        # msgspec reports nesting deeper than the interpreter's recursion limit this way.
+        raise InvalidRequest("Request body is nested too deeply to decode", code="invalid_json") from exc
 
 
 def convert(data: Any, type_: type[T]) -> T:

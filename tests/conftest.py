@@ -94,3 +94,13 @@ def server(make_server: ServerFactory) -> Iterator[RunningServer]:
 @pytest.fixture(scope="session")
 def client(server: RunningServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="not-needed", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def short_context_server(tiny_dir: str, make_server: ServerFactory) -> Iterator[RunningServer]:
+    """A server whose model has a 64-token window, so that fuzzed requests that are valid
+    stay cheap (long budgets are refused as context_length_exceeded)."""
+    settings = load_settings({"max_model_len": 64}, environ={})
+    model = _load(tiny_dir, TINY, settings)
+    with make_server(models=[model], default_max_tokens=4) as srv:
+        yield srv

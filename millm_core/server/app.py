@@ -23,7 +23,8 @@ from .errors import handle_http_exception, handle_millm_error, handle_unexpected
 from .middleware import RequestIdMiddleware
 from .routes.chat import chat_completions
 from .routes.completions import completions
-from .routes.health import health, inference, ready
+from ..openapi import html_page, openapi_document, render
+from .routes.health import api_docs, health, inference, openapi, ready
 from .routes.health import policy as policy_route
 from .routes.models import get_model, list_models
 from .state import AppState
@@ -61,6 +62,9 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         scheduler = Scheduler(settings.max_queue)
         state = AppState(settings=settings, host=host, models=registry, policy=policy, scheduler=scheduler)
+        document = openapi_document()
+        state.extra["openapi"] = render(document).encode()
+        state.extra["docs_html"] = html_page(document)
         app.state.millm = state
         task: asyncio.Task[None] | None = None
         if loader is not None:
@@ -94,6 +98,8 @@ def create_app(
         Route("/api/health/ready", ready, methods=["GET"]),
         Route("/api/health/inference", inference, methods=["GET"]),
         Route("/api/policy", policy_route, methods=["GET"]),
+        Route("/v1/openapi.json", openapi, methods=["GET"]),
+        Route("/v1/docs", api_docs, methods=["GET"]),
     ]
     for path, endpoint, methods in host.routes():
         routes.append(Route(path, endpoint, methods=methods))

@@ -38,7 +38,8 @@ async def handle_http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code, type_ = _HTTP_CODES.get(exc.status_code, ("http_error", "invalid_request_error"))
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    err = MillmError(message, code=code, status=exc.status_code)
+    # Keep the exception's own headers: a 405 must say which methods are allowed (Allow).
+    err = MillmError(message, code=code, status=exc.status_code, headers=dict(exc.headers or {}))
     err.type = type_
     return error_response(err)
 

@@ -39,6 +39,7 @@ def test_unknown_route_and_method_are_openai_shaped(server) -> None:  # type: ig
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     wrong = httpx.get(server.base_url + "/v1/chat/completions")
     assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+    assert wrong.headers["allow"] == "POST"
 
 
 def test_readiness_follows_the_model_load(tiny_model: ServedModel) -> None:

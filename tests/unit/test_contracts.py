@@ -89,6 +89,12 @@ def test_empty_messages_and_prompt_lists_are_refused() -> None:
         convert({"model": "m", "prompt": []}, CompletionRequest)
 
 
+def test_deep_nesting_is_invalid_json_not_a_crash() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        decode_json(b"[" * 5000 + b"]" * 5000)
+    assert info.value.code == "invalid_json"
+
+
 def test_invalid_json_has_its_own_code() -> None:
     with pytest.raises(InvalidRequest) as info:
         decode_json(b'{"model": ')

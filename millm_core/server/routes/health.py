@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from ...builtin import STRUCTURAL_FIELDS
 from ...codec import encode
@@ -31,6 +31,14 @@ async def policy(request: Request) -> Response:
     engines = [(f.name, f.capabilities) for f in state.host.engines()]
     cells = policy_table(state.policy, ENDPOINT_CONTRACTS, engines, STRUCTURAL_FIELDS)
     return Response(encode({"object": "list", "data": cells}), media_type="application/json")
+
+
+async def openapi(request: Request) -> Response:
+    return Response(app_state(request).extra["openapi"], media_type="application/json")  # type: ignore[arg-type]
+
+
+async def api_docs(request: Request) -> Response:
+    return HTMLResponse(str(app_state(request).extra["docs_html"]))
 
 
 async def inference(request: Request) -> Response:

@@ -1,0 +1,167 @@
+"""The OpenAPI 3.1 document, generated from the contract Structs, and a plain HTML page
+for people. ``python -m millm_core.openapi PATH`` writes the document (``make schemas``);
+a test fails when docs/schemas/openapi.json differs from what the code generates.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import sys
+from typing import Any
+
+import msgspec
+
+from . import __version__
+from .contracts.chat import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse
+from .contracts.completions import CompletionChunk, CompletionRequest, CompletionResponse
+from .contracts.embeddings import EmbeddingRequest, EmbeddingResponse
+from .contracts.errors import ErrorResponse
+from .contracts.models import ModelCard, ModelList
+from .fields import PolicyCell
+
+_TYPES: list[Any] = [
+    ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
+    CompletionRequest, CompletionResponse, CompletionChunk,
+    EmbeddingRequest, EmbeddingResponse, ModelList, ModelCard, ErrorResponse, PolicyCell,
+]
+_REF = "#/components/schemas/{name}"
+
+_ERRORS = {
+    "400": "Refused: invalid JSON or value, a field nothing honours, unused fields in strict mode, context length exceeded",
+    "404": "Unknown model",
+    "413": "Request body over the configured limit",
+    "500": "Unexpected failure (details in the server log under the request id)",
+    "503": "No model loaded, or the request queue is full (see Retry-After)",
+}
+
+
+def _ref(type_: type) -> dict[str, str]:
+    return {"$ref": _REF.format(name=type_.__name__)}
+
+
+def _errors(*codes: str) -> dict[str, Any]:
+    return {
+        code: {"description": _ERRORS[code], "content": {"application/json": {"schema": _ref(ErrorResponse)}}}
+        for code in codes
+    }
+
+
+def _generation(summary: str, request: type, response: type, chunk: type) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+            "parameters": [
+                {"name": "X-miLLM-Strict", "in": "header", "required": False, "description": "true or 1: refuse unused fields", "schema": {"type": "string", "enum": ["true", "1", "false", "0", "TRUE", "FALSE"]}},
+            ],
+            "responses": {
+                "200": {
+                    "description": "The completion; with stream: true, Server-Sent Events of chunks ending with data: [DONE]",
+                    "content": {
+                        "application/json": {"schema": _ref(response)},
+                        "text/event-stream": {"schema": {"type": "string", "description": f"data: {chunk.__name__} frames"}},
+                    },
+                },
+                **_errors("400", "404", "413", "500", "503"),
+            },
+        }
+    }
+
+
+def openapi_document() -> dict[str, Any]:
+    """The whole document, deterministic for a given code version."""
+    _, components = msgspec.json.schema_components(_TYPES, ref_template=_REF)
+    paths: dict[str, Any] = {
+        "/v1/chat/completions": _generation("Chat completion", ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk),
+        "/v1/completions": _generation("Text completion (no chat template)", CompletionRequest, CompletionResponse, CompletionChunk),
+        "/v1/embeddings": {
+            "post": {
+                "summary": "Embeddings (the embeddings plugin)",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(EmbeddingRequest)}}},
+                "responses": {
+                    "200": {"description": "One vector per input", "content": {"application/json": {"schema": _ref(EmbeddingResponse)}}},
+                    **_errors("400", "404", "413", "500", "503"),
+                },
+            }
+        },
+        "/v1/models": {"get": {"summary": "Served models", "responses": {"200": {"description": "The list", "content": {"application/json": {"schema": _ref(ModelList)}}}}}},
+        "/v1/models/{model_id}": {
+            "get": {
+                "summary": "One served model",
+                "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "The model", "content": {"application/json": {"schema": _ref(ModelCard)}}}, **_errors("404")},
+            }
+        },
+        "/api/policy": {
+            "get": {
+                "summary": "The field policy table: every field × endpoint × engine, honoured or refused",
+                "responses": {"200": {"description": "The table", "content": {"application/json": {"schema": {"type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _ref(PolicyCell)}}}}}}},
+            }
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "millm",
+            "version": __version__,
+            "description": "An OpenAI-compatible model server for interpretability research. Every field is honoured, reported or refused.",
+        },
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+
+
+def render(document: dict[str, Any]) -> str:
+    """Serialise as the committed file is written."""
+    return json.dumps(document, indent=2, sort_keys=True) + "\n"
+
+
+def _describe(prop: dict[str, Any]) -> str:
+    if "$ref" in prop:
+        return prop["$ref"].rsplit("/", 1)[-1]
+    if "anyOf" in prop:
+        return " | ".join(_describe(p) for p in prop["anyOf"])
+    kind = prop.get("type", prop.get("const", "any"))
+    if kind == "array":
+        kind = f"array of {_describe(prop.get('items', {}))}"
+    if "enum" in prop:
+        kind = " | ".join(json.dumps(v) for v in prop["enum"])
+    limits = [f"{k} {prop[k]}" for k in ("minimum", "maximum", "minLength", "maxLength", "minItems", "maxItems") if k in prop]
+    return f"{kind} ({', '.join(limits)})" if limits else str(kind)
+
+
+def html_page(document: dict[str, Any]) -> str:
+    """A self-contained page listing each endpoint and its request fields (no scripts,
+    nothing fetched from elsewhere)."""
+    schemas = document["components"]["schemas"]
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>millm API</title>",
+        "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}td,th{padding:.2em .6em;text-align:left;vertical-align:top}"
+        "code{background:#f3f3f3}</style></head><body>",
+        f"<h1>millm API {html.escape(document['info']['version'])}</h1>",
+        f"<p>{html.escape(document['info']['description'])} Machine-readable: <a href='/v1/openapi.json'>/v1/openapi.json</a>.</p>",
+    ]
+    for path, methods in document["paths"].items():
+        for method, op in methods.items():
+            parts.append(f"<h2><code>{method.upper()} {html.escape(path)}</code></h2><p>{html.escape(op['summary'])}</p>")
+            body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
+            if not body:
+                continue
+            schema = schemas[body["$ref"].rsplit("/", 1)[-1]]
+            required = set(schema.get("required", []))
+            parts.append("<table><tr><th>field</th><th>type</th><th>required</th></tr>")
+            for name, prop in schema.get("properties", {}).items():
+                parts.append(
+                    f"<tr><td><code>{html.escape(name)}</code></td><td>{html.escape(_describe(prop))}</td>"
+                    f"<td>{'yes' if name in required else ''}</td></tr>"
+                )
+            parts.append("</table>")
+    parts.append("</body></html>")
+    return "".join(parts)
+
+
+if __name__ == "__main__":  # pragma: no cover - exercised by `make schemas`
+    target = sys.argv[1] if len(sys.argv) > 1 else "docs/schemas/openapi.json"
+    with open(target, "w") as fh:
+        fh.write(render(openapi_document()))

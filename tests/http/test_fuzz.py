@@ -1,0 +1,111 @@
+"""Fuzzed bodies against a running server: 2,000 per endpoint, valid, near-valid and
+hostile. Whatever is sent, the server answers without a 5xx; every refusal is OpenAI's
+error shape; every success that carried an undeclared top-level field names it in
+X-miLLM-Ignored-Fields."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import http_sfv
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from millm_core.contracts import ENDPOINT_CONTRACTS
+from millm_core.sfv import percent_encode_nonprintable
+
+EXAMPLES = 2000
+PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+)
+json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=16)
+weird_keys = st.sampled_from(["user", "foo", "ünïcode", "", " ", "emoji🙂", "a\tb", "__proto__", "x" * 200]) | st.text(max_size=10)
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "wizard"]), "content": st.text(max_size=20) | st.none()},
+    optional={"name": st.text(max_size=5), "extra": json_values},
+)
+
+
+def near_valid(endpoint: str) -> st.SearchStrategy[dict[str, Any]]:
+    """Structurally right bodies with a random subset of declared fields, each given a
+    plausible or hostile value, plus the odd unknown field."""
+    declared = sorted(set(ENDPOINT_CONTRACTS[endpoint].__struct_fields__) - {"model", "messages", "prompt", "input", "stream"})
+    base = {"model": st.sampled_from(["tiny", "tiny", "tiny", "other"])}
+    if endpoint == "chat.completions":
+        base["messages"] = st.lists(message, min_size=0, max_size=3)
+    elif endpoint == "completions":
+        base["prompt"] = st.text(max_size=20) | st.lists(st.text(max_size=10), max_size=3)
+    else:
+        base["input"] = st.text(max_size=20) | st.lists(st.text(max_size=10), max_size=3)
+    small = st.integers(min_value=-3, max_value=6) | st.floats(min_value=-3, max_value=3) | json_values
+    optional: dict[str, st.SearchStrategy[Any]] = {name: small for name in declared}
+    optional["max_tokens"] = st.integers(min_value=-1, max_value=8) | json_values
+    optional["n"] = st.integers(min_value=0, max_value=3) | json_values
+    optional["stream"] = st.booleans()
+    return st.fixed_dictionaries(base, optional=optional).flatmap(
+        lambda body: st.dictionaries(weird_keys, json_values, max_size=2).map(lambda extra: {**extra, **body})
+    )
+
+
+def bodies(endpoint: str) -> st.SearchStrategy[bytes]:
+    hostile = st.dictionaries(weird_keys, json_values, max_size=6).map(lambda d: json.dumps(d).encode())
+    not_objects = json_values.map(lambda v: json.dumps(v).encode())
+    raw = st.binary(max_size=40) | st.text(max_size=40).map(str.encode)
+    deep = st.integers(min_value=50, max_value=5000).map(lambda d: ("[" * d + "]" * d).encode())
+    huge = st.integers(min_value=10**19, max_value=10**40).map(lambda n: json.dumps({"model": "tiny", "max_tokens": n, "seed": n}).encode())
+    valid = near_valid(endpoint).map(lambda d: json.dumps(d).encode())
+    return st.one_of(valid, valid, valid, hostile, not_objects, raw, deep, huge)
+
+
+def check(resp: httpx.Response, sent: bytes, endpoint: str) -> None:
+    assert resp.status_code < 500, (resp.status_code, resp.text, sent[:300])
+    if resp.status_code >= 300:
+        error = resp.json()["error"]
+        assert isinstance(error["message"], str) and error["message"]
+        assert isinstance(error["type"], str)
+        assert error["param"] is None or isinstance(error["param"], str)
+        assert error["code"] is None or isinstance(error["code"], str)
+        return
+    try:
+        body = json.loads(sent)
+    except ValueError:  # pragma: no cover - a 2xx needs a JSON object
+        raise AssertionError("a non-JSON body was served") from None
+    unknown = [k for k in body if k not in ENDPOINT_CONTRACTS[endpoint].__struct_fields__]
+    if not unknown:
+        return
+    parsed = http_sfv.List()
+    parsed.parse(resp.headers["x-millm-ignored-fields"].encode())
+    listed = [item.value for item in parsed]
+    capped = listed and listed[-1].startswith("+") and listed[-1].endswith(" more")
+    for key in unknown:
+        assert percent_encode_nonprintable(key) in listed or capped, (key, listed)
+
+
+@pytest.mark.parametrize("endpoint", sorted(PATHS))
+def test_fuzzed_bodies_never_break_the_server(short_context_server, endpoint: str) -> None:  # type: ignore[no-untyped-def]
+    url = short_context_server.base_url + PATHS[endpoint]
+    with httpx.Client(timeout=30, headers={"content-type": "application/json"}) as http:
+
+        @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+        @given(bodies(endpoint))
+        def run(sent: bytes) -> None:
+            if endpoint != "embeddings" and b'"stream": true' in sent:
+                with http.stream("POST", url, content=sent) as resp:
+                    resp.read()
+                    if resp.status_code == 200:
+                        assert resp.content.endswith(b"data: [DONE]\n\n")
+                        return
+                    check(resp, sent, endpoint)
+                    return
+            check(http.post(url, content=sent), sent, endpoint)
+
+        run()
