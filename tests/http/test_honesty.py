@@ -130,3 +130,17 @@ def test_sdk_raises_the_matching_exception_classes(client) -> None:  # type: ign
         with pytest.raises(exc_type) as info:
             client.chat.completions.create(**kwargs)
         assert info.value.status_code == status
+
+
+def test_one_log_event_with_locations_never_values(server) -> None:  # type: ignore[no-untyped-def]
+    from structlog.testing import capture_logs
+
+    secret = "s3cr3t-value-9471"
+    with capture_logs() as logs:
+        resp = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1, "user": secret, "note": {"k": secret}})
+    assert resp.status_code == 200
+    events = [e for e in logs if e["event"] == "request_fields_unused"]
+    assert len(events) == 1
+    assert events[0]["locations"] == ["user", "note"]
+    assert events[0]["log_level"] == "warning"
+    assert secret not in repr(logs)
