@@ -10,7 +10,6 @@ from typing import Any
 import msgspec
 
 from .context import RequestContext
-from .engine import Capability
 from .errors import ModelNotFound
 from .fields import ALL_ENDPOINTS, FieldRule
 from .hookspecs import hookimpl
@@ -29,9 +28,6 @@ def _sent(value: Any) -> bool:
 
 @hookimpl
 def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
-    for name in ("stream", "stream_options", "max_tokens", "max_completion_tokens"):
-        register(FieldRule(name, ALL_ENDPOINTS, by=NAME))
-    register(FieldRule("n", ALL_ENDPOINTS, by=NAME, requires=Capability.MULTIPLE_CHOICES, condition="not streaming"))
     register(FieldRule("add_special_tokens", ("completions",), by=NAME))
     register(FieldRule("chat_template_kwargs", ("chat.completions",), by=NAME))
 

@@ -1,9 +1,10 @@
 """Every millm hook, in the order a server meets them.
 
 Start-up hooks run once while the app starts; request hooks run for every chat or text
-completion, in this order: ``millm_validate`` → ``millm_resolve`` → ``millm_pre_forward``
-→ (the per-token stage: the :class:`~millm_core.engine.TokenProcessor` objects contributed
-in pre-forward, run by the core at every decode step) → ``millm_finalize``.
+completion, in this order: ``millm_validate`` → ``millm_resolve`` → ``millm_execute``
+(who serves it); for generation then ``millm_pre_forward`` → (the per-token stage: the
+:class:`~millm_core.engine.TokenProcessor` objects contributed in pre-forward, run by the
+core at every decode step) → ``millm_finalize``.
 
 Contribution hooks take a ``register`` callback rather than returning values, so that
 one plugin can contribute several things and the call site stays typed. Call hooks only
@@ -12,7 +13,7 @@ through :class:`millm_core.plugins.PluginHost`, with keyword arguments.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from .engine import EngineFactory, ModelSource
     from .fields import FieldRule
     from .pipeline_types import Finalization, ForwardPlan, Outcome, Problem
+    from starlette.responses import Response
+
     from .registry import ModelRegistry, ServedModel
 
 PROJECT = "millm"
@@ -114,6 +117,19 @@ def millm_resolve(ctx: RequestContext, request: Any, models: ModelRegistry) -> S
     Return: a :class:`~millm_core.registry.ServedModel`, or None to defer. The core's own
     implementation runs last (``trylast``): it matches ``request.model`` against the served
     names and raises ``404 model_not_found``.
+    """
+
+
+@hookspec(firstresult=True)
+def millm_execute(ctx: RequestContext, request: Any, model: ServedModel, state: Any) -> Awaitable[Response] | None:
+    """Run an admitted request and produce its response. The first plugin that returns
+    an awaitable serves the request: the ``scoring`` plugin takes scoring-mode requests
+    (one forward pass, nothing generated); the ``sampling`` plugin (``trylast``) generates.
+    When no enabled plugin takes a request it is refused with ``400 field_not_honoured``,
+    so a scoring-only server runs no generation code at all.
+
+    ``state`` is the app's shared state (scheduler, plugin host, settings). Model code must
+    run on the scheduler's thread (``state.scheduler.call``). Return None to pass.
     """
 
 

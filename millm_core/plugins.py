@@ -10,13 +10,14 @@ if the allow-list (``--plugins``) names it, or when there is no allow-list.
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import pluggy
 import structlog
+from starlette.responses import Response
 
 from . import hookspecs
 from .config import PluginSetting, Settings
@@ -149,6 +150,10 @@ class PluginHost:
 
     def resolve(self, ctx: RequestContext, request: Any, models: ModelRegistry) -> ServedModel | None:
         result: ServedModel | None = self._pm.hook.millm_resolve(ctx=ctx, request=request, models=models)
+        return result
+
+    def execute(self, ctx: RequestContext, request: Any, model: ServedModel, state: Any) -> Awaitable[Response] | None:
+        result: Awaitable[Response] | None = self._pm.hook.millm_execute(ctx=ctx, request=request, model=model, state=state)
         return result
 
     def pre_forward(self, ctx: RequestContext, request: Any, plan: ForwardPlan) -> None:

@@ -107,18 +107,23 @@ def test_unknown_plugin_name_is_a_config_error() -> None:
         build_host(load_settings({"plugins": ("nope",)}, environ={}))
 
 
-def test_without_sampling_plugin_sampling_fields_are_refused(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_without_sampling_plugin_nothing_generates(make_server) -> None:  # type: ignore[no-untyped-def]
     host = build_host(load_settings({"plugins": ()}, environ={}))
     assert not host.has("sampling")
     with make_server(host=host) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
-        for field, value in (("temperature", 0.5), ("stop", ["x"]), ("seed", 3), ("top_p", 0.9)):
+        for field, value in (("temperature", 0.5), ("stop", ["x"]), ("seed", 3), ("top_p", 0.9), ("max_tokens", 2)):
             with pytest.raises(openai.BadRequestError) as info:
-                client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, **{field: value})
+                client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], **{field: value})
             assert info.value.body["code"] == "field_not_honoured"
             assert info.value.body["param"] == field
-        # Neutral values are still fine.
-        assert client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=1).choices
+        # Even a request with nothing to refuse is not generated: no plugin serves it.
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        assert info.value.body["code"] == "field_not_honoured"
+        assert "no enabled plugin serves" in info.value.body["message"]
+        stats = httpx.get(srv.base_url + "/api/health/inference").json()["scheduler"]
+        assert stats["steps"] == 0  # no generation code ran
 
 
 def test_block_list_removes_an_engine() -> None:

@@ -145,8 +145,9 @@ def check_field_policy(state: AppState, ctx: RequestContext, request: msgspec.St
         )
 
 
-def prepare(state: AppState, ctx: RequestContext, request: ChatCompletionRequest | CompletionRequest) -> Prepared:
-    """Every check and every plan contribution; raises on refusal, runs nothing."""
+def admit(state: AppState, ctx: RequestContext, request: ChatCompletionRequest | CompletionRequest) -> ServedModel:
+    """Strict mode, the plugins' validation, model resolution and the field policy: every
+    refusal that needs no tokenisation. Runs nothing."""
     if isinstance(request, ChatCompletionRequest):
         ctx.ignored_fields.extend(_unread_message_fields(request))
     refuse_unused_if_strict(ctx)
@@ -157,6 +158,17 @@ def prepare(state: AppState, ctx: RequestContext, request: ChatCompletionRequest
     if model is None:  # pragma: no cover - the core's resolve always answers or raises
         raise InvalidRequest("no plugin resolved a model for this request", param="model")
     check_field_policy(state, ctx, request, model)
+    return model
+
+
+def prompt_ids(ctx: RequestContext, request: ChatCompletionRequest | CompletionRequest, model: ServedModel) -> list[list[int]]:
+    """The request's prompt token ids, exactly as generation tokenises them (one BOS rule,
+    chat template, ``add_special_tokens``). Scoring uses the same function."""
+    return _prompt_ids(ctx, request, model)
+
+
+def prepare_generation(state: AppState, ctx: RequestContext, request: ChatCompletionRequest | CompletionRequest, model: ServedModel) -> Prepared:
+    """Prompt ids, token budget and the plugins' plan for an admitted request."""
     prompts = _prompt_ids(ctx, request, model)
     max_new = _budget(request, prompts, model, state.settings.default_max_tokens)
     plan = ForwardPlan(sampling=SamplingParams(seed=fresh_seed(ctx.request_id)), max_new_tokens=max_new)

@@ -1,8 +1,9 @@
-"""Honours the sampling fields: temperature, top_p, top_k, seed, stop, penalties."""
+"""Generation and its sampling fields: temperature, top_p, top_k, seed, stop, penalties,
+``n``, ``max_tokens`` and streaming. Without this plugin a server does not generate."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -12,6 +13,11 @@ from millm_core.engine import Capability
 from millm_core.fields import ALL_ENDPOINTS, FieldRule
 from millm_core.hookspecs import hookimpl
 from millm_core.pipeline_types import ForwardPlan, RowInfo
+from millm_core.registry import ServedModel
+from millm_core.server.routes.chat import SHAPES as CHAT_SHAPES
+from millm_core.server.routes.common import generate
+from millm_core.server.routes.completions import SHAPES as COMPLETION_SHAPES
+from starlette.responses import Response
 
 from .processors import Penalties, StopSequences
 
@@ -28,7 +34,19 @@ def _set(value: Any) -> bool:
 def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
     for name in ("temperature", "top_p", "top_k", "stop", "frequency_penalty", "presence_penalty"):
         register(FieldRule(name, ALL_ENDPOINTS, by=NAME))
+    for name in ("stream", "stream_options", "max_tokens", "max_completion_tokens"):
+        register(FieldRule(name, ALL_ENDPOINTS, by=NAME, requires=Capability.GENERATE))
     register(FieldRule("seed", ALL_ENDPOINTS, by=NAME, requires=Capability.SEED))
+    register(FieldRule("n", ALL_ENDPOINTS, by=NAME, requires=Capability.MULTIPLE_CHOICES, condition="not streaming"))
+
+
+@hookimpl(trylast=True)
+def millm_execute(ctx: RequestContext, request: Any, model: ServedModel, state: Any) -> Awaitable[Response] | None:
+    """Generation serves every request no other plugin took."""
+    if Capability.GENERATE not in model.capabilities:
+        return None
+    shapes = CHAT_SHAPES if ctx.endpoint == "chat.completions" else COMPLETION_SHAPES
+    return generate(state, ctx, request, model, shapes)
 
 
 def seed_header(seed: int) -> str:

@@ -16,7 +16,7 @@ from ...contracts.chat import (
 )
 from ...contracts.common import Usage
 from ..respond import Shapes
-from .common import generate
+from .common import serve_completion
 
 
 def _full(rid: str, created: int, model: str, fingerprint: str, texts: list[str], reasons: list[str], usage: Usage) -> ChatCompletionResponse:
@@ -43,4 +43,4 @@ SHAPES = Shapes(id_prefix="chatcmpl", full=_full, chunk=_chunk)
 
 
 async def chat_completions(request: Request) -> Response:
-    return await generate(request, "chat.completions", ChatCompletionRequest, SHAPES)
+    return await serve_completion(request, "chat.completions", ChatCompletionRequest)

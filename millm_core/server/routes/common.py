@@ -13,10 +13,11 @@ from ...codec import convert, decode_json
 from ...context import Endpoint, RequestContext
 from ...contracts.chat import ChatCompletionRequest
 from ...contracts.completions import CompletionRequest
-from ...errors import ModelNotLoaded, PayloadTooLarge
+from ...errors import FieldNotHonoured, ModelNotLoaded, PayloadTooLarge
+from ...registry import ServedModel
 from ...unknown import unknown_fields
 from ..middleware import mint_request_id
-from ..pipeline import prepare
+from ..pipeline import admit, prepare_generation
 from ..respond import Shapes, complete, stream
 from ..state import AppState
 
@@ -69,9 +70,24 @@ def log_unused(ctx: RequestContext) -> None:
         log.warning("request_fields_unused", locations=ctx.ignored_fields, endpoint=ctx.endpoint)
 
 
-async def generate(request: Request, endpoint: Endpoint, type_: type[ChatCompletionRequest] | type[CompletionRequest], shapes: Shapes) -> Response:
-    """The generation endpoints' whole body: decode, prepare (every check), run, encode."""
+async def serve_completion(request: Request, endpoint: Endpoint, type_: type[ChatCompletionRequest] | type[CompletionRequest]) -> Response:
+    """The chat and text completion endpoints: decode, admit (every early refusal), then
+    the first plugin that takes the request runs it (``millm_execute``)."""
     state, ctx, body = await decode_request(request, endpoint, type_)
-    prepared = prepare(state, ctx, body)
+    model = admit(state, ctx, body)
+    run = state.host.execute(ctx, body, model, state)
+    if run is None:
+        enabled = ", ".join(n for n in state.host.names() if n != "core") or "none"
+        raise FieldNotHonoured(
+            f"no enabled plugin serves this {endpoint} request (enabled plugins: {enabled}); "
+            "a server without the sampling plugin does not generate",
+            param=None,
+        )
     log_unused(ctx)
+    return await run
+
+
+async def generate(state: AppState, ctx: RequestContext, body: ChatCompletionRequest | CompletionRequest, model: ServedModel, shapes: Shapes) -> Response:
+    """Generation: prompt ids, budget, pre-forward, then a streamed or complete response."""
+    prepared = prepare_generation(state, ctx, body, model)
     return stream(state, prepared, shapes) if ctx.stream else await complete(state, prepared, shapes)

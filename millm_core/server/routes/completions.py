@@ -14,7 +14,7 @@ from ...contracts.completions import (
     CompletionResponse,
 )
 from ..respond import Shapes
-from .common import generate
+from .common import serve_completion
 
 
 def _full(rid: str, created: int, model: str, fingerprint: str, texts: list[str], reasons: list[str], usage: Usage) -> CompletionResponse:
@@ -34,4 +34,4 @@ SHAPES = Shapes(id_prefix="cmpl", full=_full, chunk=_chunk)
 
 
 async def completions(request: Request) -> Response:
-    return await generate(request, "completions", CompletionRequest, SHAPES)
+    return await serve_completion(request, "completions", CompletionRequest)
