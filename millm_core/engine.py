@@ -154,6 +154,23 @@ class Embedder(Protocol):
         tokens, the ``last`` real token, or the first (``cls``). Unsteered, always."""
 
 
+@runtime_checkable
+class Scorer(Protocol):
+    """What an engine with :attr:`Capability.SCORING` offers: next-token logits, with no
+    generation, no steering and no per-request state."""
+
+    def next_token_logits(
+        self, prompts: Sequence[Sequence[int]], *, float32: bool = False, float32_device: str = "auto", headroom_mb: int = 0
+    ) -> Any:
+        """A float32 array ``[len(prompts), vocab]`` of the logits after each prompt, from
+        one batched forward pass. With ``float32`` the pass runs on a temporary float32
+        copy of the model (the served weights are never changed), or raises
+        :class:`~millm_core.errors.ScoringPrecisionUnavailable`."""
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, special tokens included."""
+
+
 @dataclass(frozen=True)
 class EngineFactory:
     """How an engine plugin offers itself. ``can_load`` says whether this engine serves

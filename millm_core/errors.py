@@ -67,6 +67,19 @@ class ModelNotFound(NotFound):
     code = "model_not_found"
 
 
+class ScoringPrecisionUnavailable(MillmError):
+    """409: ``scoring_precision: "float32"`` cannot be served; ``reason`` is one of
+    ``model_not_float32_castable``, ``memory``, ``device``, ``busy``."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "scoring_precision_unavailable"
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message, param="scoring_precision", headers={"X-miLLM-Scoring-Precision-Reason": reason})
+        self.reason = reason
+
+
 class PayloadTooLarge(MillmError):
     status = 413
     type = "invalid_request_error"

@@ -18,11 +18,13 @@ from millm_core.engine import ModelInfo, RowSpec, SamplingParams
 
 from .chat import render_chat_ids
 from .fastpath import KVCache, LlamaDecoder
+from .fp32 import Float32Copies
 from .sampler import apply_biases, sample
 
 from .plugin import CAPABILITIES  # declared once, before any load
 
 EMBED_BATCH = 16
+SCORE_BATCH = 64
 
 
 @dataclass
@@ -60,6 +62,7 @@ class TransformersEngine:
     ) -> None:
         self.model = model
         self.fast = fast
+        self._fp32 = Float32Copies()
         self.tokenizer = tokenizer
         self.info = info
         self.eos_token_ids = eos_token_ids
@@ -164,6 +167,43 @@ class TransformersEngine:
             batch.next_pos = batch.next_pos.index_select(0, index)
         if batch.last_tokens is not None:
             batch.last_tokens = batch.last_tokens.index_select(0, index)
+
+    # ------------------------------------------------------------------ scoring
+
+    def token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    @torch.inference_mode()
+    def next_token_logits(
+        self, prompts: Sequence[Sequence[int]], *, float32: bool = False, float32_device: str = "auto", headroom_mb: int = 0
+    ) -> Any:
+        if not float32:
+            return self._last_logits(self.model, prompts)
+        with self._fp32.copy_of(self.model, float32_device, headroom_mb) as copy:
+            return self._last_logits(copy, prompts)
+
+    def _last_logits(self, model: PreTrainedModel, prompts: Sequence[Sequence[int]]) -> Any:
+        """One left-padded forward pass per ``SCORE_BATCH`` prompts, last position only."""
+        out = []
+        for start in range(0, len(prompts), SCORE_BATCH):
+            chunk = prompts[start : start + SCORE_BATCH]
+            width = max(len(p) for p in chunk)
+            ids = torch.full((len(chunk), width), self._pad_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, prompt in enumerate(chunk):
+                ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+                mask[row, width - len(prompt) :] = 1
+            positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+            padded = any(len(p) != width for p in chunk)
+            logits = model(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device) if padded else None,
+                position_ids=positions.to(self.device),
+                use_cache=False,
+                logits_to_keep=1,
+            ).logits[:, -1, :]
+            out.append(logits.float().cpu())
+        return torch.cat(out).numpy()
 
     # ------------------------------------------------------------------ embeddings
 

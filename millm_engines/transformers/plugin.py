@@ -10,7 +10,9 @@ from millm_core.hookspecs import hookimpl
 
 MILLM_PLUGIN_KIND = "engine"
 
-CAPABILITIES = frozenset({Capability.GENERATE, Capability.SEED, Capability.MULTIPLE_CHOICES, Capability.EMBEDDINGS})
+CAPABILITIES = frozenset(
+    {Capability.GENERATE, Capability.SEED, Capability.MULTIPLE_CHOICES, Capability.EMBEDDINGS, Capability.SCORING}
+)
 
 
 def _can_load(location: ModelLocation) -> bool:

@@ -21,6 +21,16 @@ SAMPLES: dict[str, Any] = {
     "chat_template_kwargs": {"flag": True}, "add_special_tokens": False, "echo": True, "suffix": "x", "best_of": 2,
     "encoding_format": "float", "pooling": "last", "normalize": True, "dimensions": 8,
 }
+# Endpoint-specific samples, and what a conditionally honoured field needs beside it.
+SAMPLE_OVERRIDES: dict[tuple[str, str], Any] = {("logprobs", "completions"): 2}
+SCORING = {"max_tokens": 1}
+CONDITIONS: dict[str, dict[str, Any]] = {
+    "logprobs": SCORING,
+    "allowed_token_ids": SCORING,
+    "return_tokens_as_token_ids": {**SCORING, "allowed_token_ids": [1]},
+    "top_logprobs": {**SCORING, "logprobs": True},
+    "scoring_precision": {**SCORING, "logprobs": 1},
+}
 STRUCTURAL = {"model", "messages", "prompt", "input"}
 PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
 BASES: dict[str, dict[str, Any]] = {
@@ -51,7 +61,10 @@ def test_every_cell_behaves_as_the_table_says(server) -> None:  # type: ignore[n
         if field in STRUCTURAL:
             continue
         assert field in SAMPLES, f"add a sample value for {field}"
-        body = {**BASES[endpoint], field: SAMPLES[field]}
+        body = {**BASES[endpoint], field: SAMPLE_OVERRIDES.get((field, endpoint), SAMPLES[field])}
+        if cell["status"] == "honoured-with-condition":
+            body.update(CONDITIONS.get(field, {}))
+            body[field] = SAMPLE_OVERRIDES.get((field, endpoint), SAMPLES[field])
         resp = httpx.post(server.base_url + PATHS[endpoint], json=body, timeout=30)
         error = resp.json().get("error") if resp.headers["content-type"].startswith("application/json") else None
         if cell["status"] == "refused":

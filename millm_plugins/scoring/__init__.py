@@ -1,0 +1,1 @@
+"""Scoring: next-token log-probabilities on completions and chat, with no generation."""

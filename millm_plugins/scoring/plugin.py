@@ -1,0 +1,236 @@
+"""Scoring mode on ``/v1/completions`` and ``/v1/chat/completions``: one forward pass per
+prompt, nothing generated, the next token's log-probabilities returned."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import msgspec
+from starlette.responses import Response
+
+from millm_core.codec import encode
+from millm_core.config import PluginSetting
+from millm_core.context import RequestContext
+from millm_core.contracts.chat import ChatCompletionRequest
+from millm_core.contracts.common import Usage
+from millm_core.engine import Capability, Scorer
+from millm_core.errors import InvalidRequest
+from millm_core.fields import ALL_ENDPOINTS, FieldRule
+from millm_core.hookspecs import hookimpl
+from millm_core.pipeline_types import Problem
+from millm_core.registry import ServedModel
+from millm_core.server.pipeline import prompt_ids
+from millm_core.server.respond import response_headers
+
+from .logprobs import score_row
+from .schema import (
+    ChatLogprobs,
+    ChatScoringChoice,
+    ChatScoringResponse,
+    CompletionLogprobs,
+    CompletionScoringChoice,
+    CompletionScoringResponse,
+    ScoredMessage,
+    TokenLogprob,
+    TopLogprob,
+)
+
+NAME = "scoring"
+DEVICE = "scoring_float32_device"
+HEADROOM = "scoring_float32_headroom_mb"
+MAX_ALTERNATIVES = 20
+MIN_TEMPERATURE = 0.001
+# Fields that cannot change a scored answer; sent with a scoring request they are reported.
+INERT_WHEN_SCORING = ("top_p", "top_k", "stop", "frequency_penalty", "presence_penalty")
+NEVER_WHEN_SCORING = ("profile", "steering_intensity", "steering", "response_format", "tools", "tool_choice", "return_sae_activations")
+SCORING_KEY_PREFIX = "token_id:"
+
+
+def _sent(value: Any) -> bool:
+    return value is not None and value is not msgspec.UNSET
+
+
+def is_scoring(request: Any) -> bool:
+    """Scoring mode: ``logprobs`` (an integer on completions, ``true`` on chat) or
+    ``allowed_token_ids``."""
+    if _sent(request.allowed_token_ids):
+        return True
+    logprobs = request.logprobs
+    return _sent(logprobs) and logprobs is not False
+
+
+@hookimpl
+def millm_register_settings(register: Callable[[PluginSetting], None]) -> None:
+    register(PluginSetting(DEVICE, "auto", "where float32 scoring copies go: auto, cpu or a device name"))
+    register(PluginSetting(HEADROOM, 1024, "memory (MiB) to leave free beside a float32 scoring copy", int))
+
+
+@hookimpl
+def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
+    scoring = "scoring mode"
+    for name in ("logprobs", "allowed_token_ids", "return_tokens_as_token_ids"):
+        register(FieldRule(name, ALL_ENDPOINTS, by=NAME, requires=Capability.SCORING, condition=scoring))
+    register(FieldRule("top_logprobs", ("chat.completions",), by=NAME, requires=Capability.SCORING, condition="with logprobs: true"))
+    register(FieldRule("scoring_precision", ("completions",), by=NAME, requires=Capability.SCORING, condition=scoring))
+    # What a scoring request needs even where nothing generates (--plugins scoring).
+    for name in ("max_tokens", "max_completion_tokens", "n", "temperature"):
+        register(FieldRule(name, ALL_ENDPOINTS, by=NAME, requires=Capability.SCORING, condition=scoring))
+
+
+def _problems_outside_scoring(request: Any) -> Iterable[Problem]:
+    chat = isinstance(request, ChatCompletionRequest)
+    if chat and _sent(request.top_logprobs) and request.logprobs is not True:
+        yield Problem("top_logprobs needs logprobs: true", param="top_logprobs")
+    if request.scoring_precision == "float32":
+        yield Problem(
+            'scoring_precision "float32" applies to scoring requests only (logprobs with max_tokens: 1)',
+            param="scoring_precision",
+            code="field_not_honoured",
+        )
+    if request.return_tokens_as_token_ids is True:
+        yield Problem("return_tokens_as_token_ids applies to scoring requests only", param="return_tokens_as_token_ids", code="field_not_honoured")
+
+
+def _problems_when_scoring(ctx: RequestContext, request: Any) -> Iterable[Problem]:
+    chat = isinstance(request, ChatCompletionRequest)
+    budget = request.max_tokens if _sent(request.max_tokens) else request.max_completion_tokens
+    if budget != 1:
+        param = "max_tokens" if _sent(request.max_tokens) or not _sent(request.max_completion_tokens) else "max_completion_tokens"
+        yield Problem(f"scoring (logprobs or allowed_token_ids) needs {param}: 1; nothing is generated", param=param)
+    if _sent(request.n) and request.n != 1:
+        yield Problem("scoring needs n: 1", param="n")
+    if ctx.stream:
+        yield Problem("scoring requests cannot be streamed", param="stream")
+    temperature = request.temperature
+    if _sent(temperature) and 0 < temperature < MIN_TEMPERATURE:
+        yield Problem(f"temperature must be 0 (no scaling) or at least {MIN_TEMPERATURE} in scoring mode", param="temperature")
+    if chat:
+        if _sent(request.logprobs) and request.logprobs is not True and request.logprobs is not False:
+            yield Problem("logprobs on chat completions is true or false; use top_logprobs for alternatives", param="logprobs")
+        if _sent(request.top_logprobs) and not 0 <= request.top_logprobs <= MAX_ALTERNATIVES:
+            yield Problem(f"top_logprobs must be 0–{MAX_ALTERNATIVES}", param="top_logprobs")
+        if _sent(request.top_logprobs) and request.logprobs is not True:
+            yield Problem("top_logprobs needs logprobs: true", param="top_logprobs")
+        if request.scoring_precision == "float32":
+            yield Problem('scoring_precision "float32" is served on /v1/completions scoring only', param="scoring_precision", code="field_not_honoured")
+    else:
+        logprobs = request.logprobs
+        if _sent(logprobs) and (isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_ALTERNATIVES):
+            yield Problem(f"logprobs on /v1/completions is an integer 0–{MAX_ALTERNATIVES}", param="logprobs")
+    allowed = request.allowed_token_ids
+    if _sent(allowed):
+        if not allowed:
+            yield Problem("allowed_token_ids must list at least one token id", param="allowed_token_ids", code="invalid_scoring_request")
+        elif any(t < 0 for t in allowed):
+            yield Problem("allowed_token_ids must be non-negative token ids", param="allowed_token_ids", code="invalid_scoring_request")
+    for name in NEVER_WHEN_SCORING:
+        value = getattr(request, name, msgspec.UNSET)
+        if _sent(value) and not (name == "tools" and value == []):
+            yield Problem(f"{name} cannot be used on a scoring request: scoring is never steered or constrained", param=name, code="field_not_honoured")
+
+
+@hookimpl
+def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
+    if not is_scoring(request):
+        return list(_problems_outside_scoring(request))
+    for name in INERT_WHEN_SCORING:
+        if _sent(getattr(request, name)):
+            ctx.ignored_fields.append(name)
+    return list(_problems_when_scoring(ctx, request))
+
+
+def _key(engine: Scorer, token: int, by_id: bool) -> str:
+    return f"{SCORING_KEY_PREFIX}{token}" if by_id else engine.token_text(token)
+
+
+async def _score(ctx: RequestContext, request: Any, model: ServedModel, state: Any) -> Response:
+    engine = model.engine
+    assert isinstance(engine, Scorer)
+    chat = isinstance(request, ChatCompletionRequest)
+    if chat:
+        if not getattr(getattr(engine, "tokenizer", None), "chat_template", None):
+            raise InvalidRequest(
+                f"'{model.info.served_name}' has no chat template; scoring would score a prompt the model never saw. "
+                "Score the text on /v1/completions instead",
+                code="no_chat_template",
+                param="messages",
+            )
+        prompts = prompt_ids(ctx, request, model)
+        texts = [""]
+    else:
+        add_special = request.add_special_tokens if _sent(request.add_special_tokens) else True
+        texts = request.prompts()
+        prompts = [engine.encode(text, add_special_tokens=bool(add_special)) for text in texts]  # type: ignore[attr-defined]
+        for index, ids in enumerate(prompts):
+            if not ids:
+                raise InvalidRequest("the prompt tokenises to nothing", code="invalid_scoring_request", param="prompt" if len(prompts) == 1 else f"prompt[{index}]")
+    allowed = list(request.allowed_token_ids) if _sent(request.allowed_token_ids) else None
+    vocab = model.info.vocab_size
+    if allowed and any(t >= vocab for t in allowed):
+        bad = sorted({t for t in allowed if t >= vocab})
+        raise InvalidRequest(f"token ids {bad} are outside the vocabulary (size {vocab})", code="invalid_scoring_request", param="allowed_token_ids")
+    precision = request.scoring_precision if _sent(request.scoring_precision) else None
+    float32 = precision == "float32"
+    device, headroom = ctx.settings.plugin(DEVICE), int(ctx.settings.plugin(HEADROOM))
+    logits = await asyncio.wrap_future(
+        state.scheduler.call(lambda: engine.next_token_logits(prompts, float32=float32, float32_device=device, headroom_mb=headroom))
+    )
+    temperature = float(request.temperature) if _sent(request.temperature) else 0.0
+    by_id = request.return_tokens_as_token_ids is True
+    if chat:
+        wants = request.logprobs is True
+        top = int(request.top_logprobs) if _sent(request.top_logprobs) else 0
+    else:
+        wants = _sent(request.logprobs) and request.logprobs is not False
+        top = int(request.logprobs) if wants else 0
+    info = model.info
+    created, rid = ctx.created, uuid.uuid4().hex
+    prompt_tokens = sum(len(p) for p in prompts)
+    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0, total_tokens=prompt_tokens)
+    headers = response_headers(ctx, info.served_name)
+    if precision:
+        headers["X-miLLM-Scoring-Precision"] = precision
+    if _sent(request.seed):
+        headers["X-miLLM-Seed"] = f'{request.seed};scope="request"'
+    if chat:
+        scored = score_row(logits[0], allowed, temperature, min(top, len(allowed)) if allowed else top)
+        token, logprob = scored.best
+        text = engine.token_text(token)
+        logprobs = None
+        if wants:
+            tops = [TopLogprob(token=_key(engine, t, by_id), logprob=lp, bytes=list(engine.token_text(t).encode())) for t, lp in scored.candidates]
+            logprobs = ChatLogprobs(content=[TokenLogprob(token=_key(engine, token, by_id), logprob=logprob, bytes=list(text.encode()), top_logprobs=tops)])
+        choice = ChatScoringChoice(index=0, message=ScoredMessage(content=text), logprobs=logprobs)
+        body: msgspec.Struct = ChatScoringResponse(
+            id=f"chatcmpl-{rid}", created=created, model=info.served_name, system_fingerprint=info.system_fingerprint, choices=[choice], usage=usage
+        )
+    else:
+        choices = []
+        for index, (text_in, row) in enumerate(zip(texts, logits)):
+            scored = score_row(row, allowed, temperature, None if allowed else top)
+            token, logprob = scored.best
+            text = engine.token_text(token)
+            legacy = None
+            if wants:
+                alternatives: dict[str, float] = {}
+                for t, lp in scored.candidates:
+                    alternatives.setdefault(_key(engine, t, by_id), lp)  # colliding texts: one entry, the likelier
+                legacy = CompletionLogprobs(tokens=[_key(engine, token, by_id)], token_logprobs=[logprob], top_logprobs=[alternatives], text_offset=[len(text_in)])
+            choices.append(CompletionScoringChoice(index=index, text=text, logprobs=legacy))
+        response = CompletionScoringResponse(
+            id=f"cmpl-{rid}", created=created, model=info.served_name, system_fingerprint=info.system_fingerprint, choices=choices, usage=usage
+        )
+        if precision:
+            response.scoring_precision = precision
+        body = response
+    return Response(encode(body), media_type="application/json", headers=headers)
+
+
+@hookimpl
+def millm_execute(ctx: RequestContext, request: Any, model: ServedModel, state: Any) -> Awaitable[Response] | None:
+    if not is_scoring(request) or Capability.SCORING not in model.capabilities or not isinstance(model.engine, Scorer):
+        return None
+    return _score(ctx, request, model, state)
