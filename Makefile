@@ -42,9 +42,11 @@ test-fast: $(VENV)/.dev
 
 bench: $(VENV)/.dev
 	$(PY) bench/bench_decode.py $(ARGS)
+	$(PY) bench/bench_scoring.py
 
 schemas: $(VENV)/.base
 	$(PY) -m millm_core.openapi docs/schemas/openapi.json
+	$(PY) -m millm_plugins.scoring.published docs/schemas/millm-scoring-api-v1.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -86,6 +86,16 @@ def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
 
 
 @hookspec
+def millm_register_schemas(register: Callable[[str, type], None]) -> None:
+    """Add a response shape to the published OpenAPI document: ``register(path, Struct)``
+    makes the Struct one more possible 200 body of ``path`` (for example the scoring
+    plugin's scored completion on ``/v1/completions``).
+
+    Return: nothing.
+    """
+
+
+@hookspec
 def millm_register_routes(register: Callable[[str, Callable[..., Any], list[str]], None]) -> None:
     """Add HTTP routes: ``register(path, endpoint, methods)`` with a Starlette endpoint
     ``async def endpoint(request) -> Response``. Shared objects are on

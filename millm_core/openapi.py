@@ -8,6 +8,7 @@ from __future__ import annotations
 import html
 import json
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -69,9 +70,11 @@ def _generation(summary: str, request: type, response: type, chunk: type) -> dic
     }
 
 
-def openapi_document() -> dict[str, Any]:
-    """The whole document, deterministic for a given code version."""
-    _, components = msgspec.json.schema_components(_TYPES, ref_template=_REF)
+def openapi_document(extra_responses: Sequence[tuple[str, type]] = ()) -> dict[str, Any]:
+    """The whole document, deterministic for a given code version. ``extra_responses``
+    are plugins' additional 200 bodies per path (``millm_register_schemas``)."""
+    extra_types = sorted({t for _, t in extra_responses}, key=lambda t: t.__name__)
+    _, components = msgspec.json.schema_components([*_TYPES, *extra_types], ref_template=_REF)
     paths: dict[str, Any] = {
         "/v1/chat/completions": _generation("Chat completion", ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk),
         "/v1/completions": _generation("Text completion (no chat template)", CompletionRequest, CompletionResponse, CompletionChunk),
@@ -100,6 +103,11 @@ def openapi_document() -> dict[str, Any]:
             }
         },
     }
+    for path, type_ in sorted(extra_responses, key=lambda pt: (pt[0], pt[1].__name__)):
+        operation = next(iter(paths[path].values()))
+        body = operation["responses"]["200"]["content"]["application/json"]
+        options = body["schema"]["anyOf"] if "anyOf" in body["schema"] else [body["schema"]]
+        body["schema"] = {"anyOf": [*options, _ref(type_)]}
     return {
         "openapi": "3.1.0",
         "info": {
@@ -161,7 +169,20 @@ def html_page(document: dict[str, Any]) -> str:
     return "".join(parts)
 
 
+def installed_document() -> dict[str, Any]:
+    """The document with every installed plugin's contributions (the committed file)."""
+    from .config import Settings
+    from .plugins import PluginHost
+
+    host = PluginHost()
+    host.discover(Settings())
+    return openapi_document(host.response_schemas())
+
+
 if __name__ == "__main__":  # pragma: no cover - exercised by `make schemas`
+    from millm_core.logs import configure_logging
+
+    configure_logging("console", "warning")
     target = sys.argv[1] if len(sys.argv) > 1 else "docs/schemas/openapi.json"
     with open(target, "w") as fh:
-        fh.write(render(openapi_document()))
+        fh.write(render(installed_document()))

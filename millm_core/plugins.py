@@ -133,6 +133,11 @@ class PluginHost:
         self._pm.hook.millm_register_fields(register=found.append)
         return found
 
+    def response_schemas(self) -> list[tuple[str, type]]:
+        found: list[tuple[str, type]] = []
+        self._pm.hook.millm_register_schemas(register=lambda path, struct: found.append((path, struct)))
+        return found
+
     def routes(self) -> list[tuple[str, Callable[..., Any], list[str]]]:
         found: list[tuple[str, Callable[..., Any], list[str]]] = []
         self._pm.hook.millm_register_routes(register=lambda path, endpoint, methods: found.append((path, endpoint, methods)))

@@ -62,7 +62,7 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         scheduler = Scheduler(settings.max_queue)
         state = AppState(settings=settings, host=host, models=registry, policy=policy, scheduler=scheduler)
-        document = openapi_document()
+        document = openapi_document(host.response_schemas())
         state.extra["openapi"] = render(document).encode()
         state.extra["docs_html"] = html_page(document)
         app.state.millm = state

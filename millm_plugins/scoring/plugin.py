@@ -69,6 +69,12 @@ def millm_register_settings(register: Callable[[PluginSetting], None]) -> None:
 
 
 @hookimpl
+def millm_register_schemas(register: Callable[[str, type], None]) -> None:
+    register("/v1/completions", CompletionScoringResponse)
+    register("/v1/chat/completions", ChatScoringResponse)
+
+
+@hookimpl
 def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
     scoring = "scoring mode"
     for name in ("logprobs", "allowed_token_ids", "return_tokens_as_token_ids"):

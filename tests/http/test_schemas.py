@@ -12,14 +12,24 @@ from hypothesis import HealthCheck, settings
 
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from millm_core.openapi import openapi_document, render
+from millm_core.openapi import installed_document, openapi_document, render
+from millm_plugins.scoring import published
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "docs" / "schemas" / "openapi.json"
 
 
 def test_committed_document_matches_the_code() -> None:
-    assert COMMITTED.read_text() == render(openapi_document()), "run `make schemas` and commit docs/schemas/openapi.json"
+    assert COMMITTED.read_text() == render(installed_document()), "run `make schemas` and commit docs/schemas/openapi.json"
+
+
+def test_committed_scoring_schema_matches_the_code() -> None:
+    committed = ROOT / "docs" / "schemas" / "millm-scoring-api-v1.json"
+    assert committed.read_text() == published.render(), "run `make schemas` and commit the scoring schema"
+    document = json.loads(committed.read_text())
+    response = document["$defs"]["CompletionScoringResponse"]
+    assert {"choices", "usage", "scoring_precision"} <= set(response["properties"])
+    assert "409" in document["refusals"]
 
 
 def test_served_document_and_page(server) -> None:  # type: ignore[no-untyped-def]
@@ -41,7 +51,7 @@ def test_ranges_in_the_schema_are_the_contract() -> None:
     assert (seed["minimum"], seed["maximum"]) == (0, 2**32 - 1)
 
 
-schema = schemathesis.openapi.from_dict(openapi_document())
+schema = schemathesis.openapi.from_dict(installed_document())
 
 # millm refuses some schema-valid bodies on purpose (a declared field nothing honours,
 # strict mode, an unknown model, a context overflow), each with a documented 4xx; so the
