@@ -58,6 +58,14 @@ def smollm2_dir() -> str:
     return converted_dir(cache_root(load_settings(environ={})))[0]
 
 
+def save_results(name: str, reports: list[dict[str, Any]]) -> None:
+    """Write a run's reports under bench/results/ (ignored by git)."""
+    folder = os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, name), "w") as fh:
+        json.dump(reports, fh, indent=2)
+
+
 def median_rate(samples: list[float]) -> float:
     return statistics.median(samples)
 
@@ -226,9 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['decode_ratios']['b/a']:>7.2f}{r['decode_ratios']['d/a']:>7.2f}"
             f"{t['a_hf_generate']:>9.1f}{t['b_engine']:>9.1f}{t['d_http_stream']:>9.1f}"
         )
-    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-    with open(os.path.join(os.path.dirname(__file__), "results", "latest.json"), "w") as fh:
-        json.dump(reports, fh, indent=2)
+    save_results("latest.json", reports)
     return 0
 
 

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from bench_decode import bench_model_dir, smollm2_dir  # noqa: E402
+from bench_decode import bench_model_dir, save_results, smollm2_dir  # noqa: E402
 from millm_core.config import load_settings  # noqa: E402
 from millm_core.engine import ModelLocation  # noqa: E402
 from millm_core.logs import configure_logging  # noqa: E402
@@ -122,9 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in reports:
         p = r["prompts_per_s"]
         print(f"{r['model']:<10}{r['dtype']:>10}{r['mean_prompt_tokens']:>8}{p['a_raw_forward']:>10.1f}{p['b_http_scoring']:>10.1f}{r['ratio_b/a']:>7.2f}")
-    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-    with open(os.path.join(os.path.dirname(__file__), "results", "scoring.json"), "w") as fh:
-        json.dump(reports, fh, indent=2)
+    save_results("scoring.json", reports)
     return 0
 
 
