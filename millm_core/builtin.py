@@ -11,7 +11,7 @@ import msgspec
 
 from .context import RequestContext
 from .errors import ModelNotFound
-from .fields import ALL_ENDPOINTS, FieldRule
+from .fields import FieldRule
 from .hookspecs import hookimpl
 from .pipeline_types import Problem
 from .registry import ModelRegistry, ServedModel

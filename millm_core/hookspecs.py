@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from starlette.responses import Response
+
     from .config import PluginSetting, Settings
     from .context import RequestContext
     from .engine import EngineFactory, ModelSource
     from .fields import FieldRule
     from .pipeline_types import Finalization, ForwardPlan, Outcome, Problem
-    from starlette.responses import Response
-
     from .registry import ModelRegistry, ServedModel
 
 PROJECT = "millm"

@@ -14,8 +14,16 @@ from typing import Any
 import msgspec
 
 from . import __version__
-from .contracts.chat import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse
-from .contracts.completions import CompletionChunk, CompletionRequest, CompletionResponse
+from .contracts.chat import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+)
+from .contracts.completions import (
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+)
 from .contracts.embeddings import EmbeddingRequest, EmbeddingResponse
 from .contracts.errors import ErrorResponse
 from .contracts.models import ModelCard, ModelList

@@ -6,6 +6,8 @@ Model builders for tests live with their engine (for the transformers engine:
 
 from __future__ import annotations
 
+import asyncio
+
 
 class RunningServer:
     """A real hypercorn server for an app, on 127.0.0.1 and a free port, in a thread.
@@ -25,25 +27,23 @@ class RunningServer:
         self.base_url = f"http://{host}:{self.port}"
         self._thread = threading.Thread(target=self._run, name="millm-test-server", daemon=True)
         self._ready = threading.Event()
-        self._loop = None
-        self._stop = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
 
     def _run(self) -> None:
-        import asyncio
-
         from hypercorn.asyncio import serve
         from hypercorn.config import Config
 
         async def main() -> None:
             self._loop = asyncio.get_running_loop()
-            self._stop = asyncio.Event()
+            stop = self._stop = asyncio.Event()
             config = Config()
             config.bind = [f"{self.host}:{self.port}"]
             config.accesslog = None
             config.errorlog = None
             config.graceful_timeout = 1.0
-            await serve(self.app, config, shutdown_trigger=self._stop.wait)  # type: ignore[arg-type]
+            await serve(self.app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
 
         try:
             asyncio.run(main())

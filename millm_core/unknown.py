@@ -7,13 +7,13 @@ they are reported instead of dropped.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import msgspec.inspect as mi
 
 
-@lru_cache(maxsize=None)
+@cache
 def _struct_info(type_: type) -> mi.StructType:
     info = mi.type_info(type_)
     assert isinstance(info, mi.StructType)

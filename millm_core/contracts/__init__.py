@@ -5,12 +5,15 @@ distinguishable; ranges are part of the contract (``Meta``) and so appear in the
 published schema.
 """
 
+import msgspec
+
+from ..context import Endpoint
 from .chat import ChatCompletionRequest
 from .completions import CompletionRequest
 from .embeddings import EmbeddingRequest
 
 # The request contract of each endpoint, as the policy table and the schemas see them.
-ENDPOINT_CONTRACTS = {
+ENDPOINT_CONTRACTS: dict[Endpoint, type[msgspec.Struct]] = {
     "chat.completions": ChatCompletionRequest,
     "completions": CompletionRequest,
     "embeddings": EmbeddingRequest,

@@ -16,6 +16,7 @@ from .. import builtin
 from ..config import Settings
 from ..errors import MillmError
 from ..fields import FieldPolicy
+from ..openapi import html_page, openapi_document, render
 from ..plugins import PluginHost
 from ..registry import ModelRegistry, ServedModel
 from ..scheduler import Scheduler
@@ -23,7 +24,6 @@ from .errors import handle_http_exception, handle_millm_error, handle_unexpected
 from .middleware import RequestIdMiddleware
 from .routes.chat import chat_completions
 from .routes.completions import completions
-from ..openapi import html_page, openapi_document, render
 from .routes.health import api_docs, health, inference, openapi, ready
 from .routes.health import policy as policy_route
 from .routes.models import get_model, list_models

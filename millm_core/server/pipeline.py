@@ -22,11 +22,25 @@ from ..contracts.chat import ChatCompletionRequest
 from ..contracts.completions import CompletionRequest
 from ..engine import RowSpec, SamplingParams
 from ..errors import ContextLengthExceeded, FieldNotHonoured, InvalidRequest, MillmError
-from ..pipeline_types import ChoiceResult, Finalization, ForwardPlan, Outcome, Problem, RowInfo
+from ..pipeline_types import (
+    ChoiceResult,
+    Finalization,
+    ForwardPlan,
+    Outcome,
+    Problem,
+    RowInfo,
+)
 from ..registry import ServedModel
 from ..rng import fresh_seed
 from ..rows import RowDriver
-from ..scheduler import Job, JobDone, JobEvent, JobFailed, StepEvents, threadsafe_emitter
+from ..scheduler import (
+    Job,
+    JobDone,
+    JobEvent,
+    JobFailed,
+    StepEvents,
+    threadsafe_emitter,
+)
 from .state import AppState
 
 log = structlog.get_logger("millm.pipeline")
@@ -88,6 +102,12 @@ def _sent(value: Any) -> bool:
     return value is not None and value is not msgspec.UNSET
 
 
+def _int(value: Any) -> int:
+    """A sent integer field (callers check ``_sent`` first)."""
+    assert isinstance(value, int)
+    return value
+
+
 def _unread_message_fields(request: ChatCompletionRequest) -> list[str]:
     unread: list[str] = []
     for index, message in enumerate(request.messages):
@@ -101,7 +121,7 @@ def _prompt_ids(ctx: RequestContext, request: ChatCompletionRequest | Completion
     engine = model.engine
     if isinstance(request, ChatCompletionRequest):
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        kwargs = request.chat_template_kwargs if _sent(request.chat_template_kwargs) else {}
+        kwargs: dict[str, Any] = request.chat_template_kwargs if isinstance(request.chat_template_kwargs, dict) else {}
         return [engine.render_chat(messages, **kwargs)]  # type: ignore[call-arg]
     add_special = request.add_special_tokens if _sent(request.add_special_tokens) else True
     prompts = [engine.encode(text, add_special_tokens=bool(add_special)) for text in request.prompts()]
@@ -117,14 +137,14 @@ def _budget(request: ChatCompletionRequest | CompletionRequest, prompts: list[li
     asked = request.max_tokens if _sent(request.max_tokens) else request.max_completion_tokens
     longest = max(len(p) for p in prompts)
     if _sent(asked):
-        if longest + int(asked) > limit:
+        if longest + _int(asked) > limit:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{longest + int(asked)} tokens ({longest} in the prompt, {asked} for the completion). "
+                f"{longest + _int(asked)} tokens ({longest} in the prompt, {asked} for the completion). "
                 "Shorten the prompt or lower max_tokens.",
                 param="max_tokens" if _sent(request.max_tokens) else "max_completion_tokens",
             )
-        return int(asked)
+        return _int(asked)
     if longest >= limit:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {limit} tokens. However, the prompt has "
@@ -173,7 +193,7 @@ def prepare_generation(state: AppState, ctx: RequestContext, request: ChatComple
     max_new = _budget(request, prompts, model, state.settings.default_max_tokens)
     plan = ForwardPlan(sampling=SamplingParams(seed=fresh_seed(ctx.request_id)), max_new_tokens=max_new)
     state.host.pre_forward(ctx, request, plan)
-    n = int(request.n) if _sent(request.n) else 1
+    n = _int(request.n) if _sent(request.n) else 1
     return Prepared(ctx=ctx, request=request, model=model, plan=plan, prompts=prompts, n=n)
 
 

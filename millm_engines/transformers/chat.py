@@ -23,11 +23,8 @@ def generic_chat_text(messages: Sequence[Mapping[str, Any]]) -> str:
 
 def render_chat_text(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any]) -> str:
     if getattr(tokenizer, "chat_template", None):
-        return str(
-            tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=True, **dict(template_kwargs)
-            )
-        )
+        conversation: Any = [dict(m) for m in messages]  # the tokenizer's stubs want dict[str, str]; content may be richer
+        return str(tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **dict(template_kwargs)))
     return generic_chat_text(messages)
 
 

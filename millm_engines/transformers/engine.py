@@ -19,9 +19,8 @@ from millm_core.engine import ModelInfo, RowSpec, SamplingParams
 from .chat import render_chat_ids
 from .fastpath import KVCache, LlamaDecoder
 from .fp32 import Float32Copies
-from .sampler import apply_biases, sample
-
 from .plugin import CAPABILITIES  # declared once, before any load
+from .sampler import apply_biases, sample
 
 EMBED_BATCH = 16
 SCORE_BATCH = 64
@@ -182,7 +181,7 @@ class TransformersEngine:
         with self._fp32.copy_of(self.model, float32_device, headroom_mb) as copy:
             return self._last_logits(copy, prompts)
 
-    def _last_logits(self, model: PreTrainedModel, prompts: Sequence[Sequence[int]]) -> Any:
+    def _last_logits(self, model: Any, prompts: Sequence[Sequence[int]]) -> Any:
         """One left-padded forward pass per ``SCORE_BATCH`` prompts, last position only."""
         out = []
         for start in range(0, len(prompts), SCORE_BATCH):

@@ -19,6 +19,7 @@ logged at load and can be turned off with ``--fast-decode false``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,9 @@ SUPPORTED_MODEL_TYPES = ("llama",)
 _GROW = 256
 
 
-def unsupported_reason(model: nn.Module) -> str | None:
+# HF models expose their structure as dynamic attributes (model.model.layers[i].self_attn…),
+# which torch's Module typing cannot describe: ``model`` is typed Any where it is read.
+def unsupported_reason(model: Any) -> str | None:
     """Why the fast path cannot serve ``model``, or None when it can."""
     config = getattr(model, "config", None)
     if config is None or config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -123,7 +126,7 @@ class KVCache:
 class LlamaDecoder:
     """The lean decode step; build once per loaded model."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: Any) -> None:
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(reason)

@@ -6,7 +6,12 @@ import os
 
 import structlog
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+)
 
 from millm_core.config import Settings
 from millm_core.engine import ModelInfo, ModelLocation
@@ -30,7 +35,7 @@ def _choose_dtype(setting: str, config: object) -> torch.dtype:
     declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(declared, str):
         declared = _DTYPES.get(declared)
-    return declared if declared in _DTYPES.values() else torch.float32
+    return declared if isinstance(declared, torch.dtype) and declared in _DTYPES.values() else torch.float32
 
 
 def _eos_ids(tokenizer: object, path: str) -> frozenset[int]:

@@ -38,7 +38,14 @@ def _corpus() -> list[str]:
 
 
 def build_tokenizer(vocab_size: int = 1024):  # noqa: ANN201 - returns PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())

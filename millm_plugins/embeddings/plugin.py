@@ -12,7 +12,12 @@ from starlette.responses import Response
 
 from millm_core.codec import encode
 from millm_core.config import PluginSetting
-from millm_core.contracts.embeddings import EmbeddingItem, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from millm_core.contracts.embeddings import (
+    EmbeddingItem,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+)
 from millm_core.engine import Capability, Embedder
 from millm_core.errors import FieldNotHonoured, InvalidRequest
 from millm_core.fields import FieldRule

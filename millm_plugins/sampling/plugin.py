@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+from starlette.responses import Response
 
 from millm_core.context import RequestContext
 from millm_core.engine import Capability
@@ -17,7 +18,6 @@ from millm_core.registry import ServedModel
 from millm_core.server.routes.chat import SHAPES as CHAT_SHAPES
 from millm_core.server.routes.common import generate
 from millm_core.server.routes.completions import SHAPES as COMPLETION_SHAPES
-from starlette.responses import Response
 
 from .processors import Penalties, StopSequences
 
@@ -72,7 +72,12 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
     if _set(request.stop):
         stops = [request.stop] if isinstance(request.stop, str) else list(request.stop)
         if stops:
-            plan.add_processor(lambda _row, stops=tuple(stops): StopSequences(stops))
+            frozen = tuple(stops)
+
+            def _stops(_row: RowInfo) -> StopSequences:
+                return StopSequences(frozen)
+
+            plan.add_processor(_stops)
     frequency = float(request.frequency_penalty) if _set(request.frequency_penalty) else 0.0
     presence = float(request.presence_penalty) if _set(request.presence_penalty) else 0.0
     if frequency or presence:

@@ -215,7 +215,7 @@ async def _score(ctx: RequestContext, request: Any, model: ServedModel, state: A
         )
     else:
         choices = []
-        for index, (text_in, row) in enumerate(zip(texts, logits)):
+        for index, (text_in, row) in enumerate(zip(texts, logits, strict=True)):
             scored = score_row(row, allowed, temperature, None if allowed else top)
             token, logprob = scored.best
             text = engine.token_text(token)

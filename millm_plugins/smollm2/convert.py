@@ -84,7 +84,7 @@ def _convert(gguf: str, target: str, revision: str) -> None:
             tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
             bar.update(1)
             bar.set_postfix_str(steps[1])
-            model.hf_quantizer = None
+            model.hf_quantizer = None  # type: ignore[assignment]  # saved as plain safetensors
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
             model.save_pretrained(staging)

@@ -8,8 +8,8 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from ...builtin import STRUCTURAL_FIELDS
 from ...codec import encode
 from ...contracts import ENDPOINT_CONTRACTS
-from ...fields import policy_table
 from ...errors import ModelNotLoaded
+from ...fields import policy_table
 from .common import app_state
 
 
