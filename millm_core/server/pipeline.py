@@ -122,7 +122,7 @@ def _prompt_ids(ctx: RequestContext, request: ChatCompletionRequest | Completion
     if isinstance(request, ChatCompletionRequest):
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         kwargs: dict[str, Any] = request.chat_template_kwargs if isinstance(request.chat_template_kwargs, dict) else {}
-        return [engine.render_chat(messages, **kwargs)]  # type: ignore[call-arg]
+        return [engine.render_chat(messages, **kwargs)]
     add_special = request.add_special_tokens if _sent(request.add_special_tokens) else True
     prompts = [engine.encode(text, add_special_tokens=bool(add_special)) for text in request.prompts()]
     for index, ids in enumerate(prompts):

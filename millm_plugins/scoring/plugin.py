@@ -169,7 +169,7 @@ async def _score(ctx: RequestContext, request: Any, model: ServedModel, state: A
     else:
         add_special = request.add_special_tokens if _sent(request.add_special_tokens) else True
         texts = request.prompts()
-        prompts = [engine.encode(text, add_special_tokens=bool(add_special)) for text in texts]  # type: ignore[attr-defined]
+        prompts = [engine.encode(text, add_special_tokens=bool(add_special)) for text in texts]
         for index, ids in enumerate(prompts):
             if not ids:
                 raise InvalidRequest("the prompt tokenises to nothing", code="invalid_scoring_request", param="prompt" if len(prompts) == 1 else f"prompt[{index}]")

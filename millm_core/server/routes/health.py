@@ -34,7 +34,7 @@ async def policy(request: Request) -> Response:
 
 
 async def openapi(request: Request) -> Response:
-    return Response(app_state(request).extra["openapi"], media_type="application/json")  # type: ignore[arg-type]
+    return Response(app_state(request).extra["openapi"], media_type="application/json")
 
 
 async def api_docs(request: Request) -> Response:
