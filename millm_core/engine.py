@@ -75,10 +75,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 
 class RowSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One sequence to generate: its prompt ids and how to sample it."""
+    """One sequence to generate: its prompt ids, how to sample it and, optionally, its
+    steering: ``deltas[layer]`` is a vector added to the output of decoder block
+    ``layer`` (the residual stream after it) at every position of this row only."""
 
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
+    deltas: dict[int, tuple[float, ...]] = msgspec.field(default_factory=dict)
 
 
 @runtime_checkable

@@ -7,7 +7,8 @@ dropped from the KV cache between steps.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,15 @@ from .plugin import CAPABILITIES  # declared once, before any load
 from .sampler import apply_biases, sample
 
 EMBED_BATCH = 16
+
+
+def _adder(delta: torch.Tensor) -> Any:
+    def hook(module: Any, args: Any, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (output[0] + delta[:, None, :], *output[1:])
+        return output + delta[:, None, :]
+
+    return hook
 SCORE_BATCH = 64
 
 
@@ -40,6 +50,8 @@ class HFBatch:
     last_tokens: torch.Tensor | None = None
     # Absolute position (prompt length + tokens generated) of each row's next draw.
     draw_pos: list[int] | None = None
+    # layer -> [rows, d_model] steering deltas (zero rows for unsteered rows).
+    deltas: dict[int, torch.Tensor] | None = None
 
     @property
     def size(self) -> int:
@@ -83,7 +95,35 @@ class TransformersEngine:
     # ------------------------------------------------------------------ batches
 
     def open_batch(self, rows: Sequence[RowSpec]) -> HFBatch:
-        return HFBatch(prompts=[r.prompt_ids for r in rows], params=[r.sampling for r in rows])
+        batch = HFBatch(prompts=[r.prompt_ids for r in rows], params=[r.sampling for r in rows])
+        layers = sorted({layer for r in rows for layer in r.deltas})
+        if layers:
+            dtype = next(self.model.parameters()).dtype
+            batch.deltas = {}
+            for layer in layers:
+                if not 0 <= layer < self.info.n_layers:
+                    raise ValueError(f"steering layer {layer} is outside 0..{self.info.n_layers - 1}")
+                stacked = torch.zeros((len(rows), self.info.d_model), dtype=dtype, device=self.device)
+                for r, row in enumerate(rows):
+                    if layer in row.deltas:
+                        stacked[r] = torch.tensor(row.deltas[layer], dtype=dtype)
+                batch.deltas[layer] = stacked
+        return batch
+
+    @contextlib.contextmanager
+    def _steering_hooks(self, deltas: dict[int, torch.Tensor] | None) -> Iterator[None]:
+        """Forward hooks adding each row's delta to the hooked blocks' outputs, for the
+        duration of one HF forward. Nothing outlives the call."""
+        if not deltas:
+            yield
+            return
+        layers = self.model.model.layers
+        handles = [layers[layer].register_forward_hook(_adder(delta)) for layer, delta in deltas.items()]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     @torch.inference_mode()
     def step(self, batch: HFBatch, biases: Sequence[Mapping[int, float] | None]) -> list[int]:
@@ -113,14 +153,15 @@ class TransformersEngine:
         positions = (mask.cumsum(-1) - 1).clamp_(min=0)
         padded = min(lengths) != width
         batch.cache = DynamicCache(config=self.model.config)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask if padded else None,
-            position_ids=positions,
-            cache=batch.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with self._steering_hooks(batch.deltas):
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask if padded else None,
+                position_ids=positions,
+                cache=batch.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         batch.mask = mask if padded else None
         batch.next_pos = positions[:, -1] + 1
         if self.fast is not None:
@@ -136,17 +177,18 @@ class TransformersEngine:
             batch.mask = torch.cat([batch.mask, ones], dim=1)
         if self.fast is not None and batch.kv is not None:
             mask = batch.mask.bool() if batch.mask is not None else None
-            logits = self.fast.step(batch.last_tokens, batch.next_pos, batch.kv, mask)
+            logits = self.fast.step(batch.last_tokens, batch.next_pos, batch.kv, mask, batch.deltas)
             batch.next_pos = batch.next_pos + 1
             return logits
-        out = self.model(
-            input_ids=batch.last_tokens[:, None],
-            attention_mask=batch.mask,
-            position_ids=batch.next_pos[:, None],
-            cache=batch.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with self._steering_hooks(batch.deltas):
+            out = self.model(
+                input_ids=batch.last_tokens[:, None],
+                attention_mask=batch.mask,
+                position_ids=batch.next_pos[:, None],
+                cache=batch.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         batch.next_pos = batch.next_pos + 1
         return out.logits[:, -1, :]
 
@@ -160,6 +202,8 @@ class TransformersEngine:
             batch.cache.batch_select_indices(index)
         if batch.kv is not None:
             batch.kv.select(index)
+        if batch.deltas is not None:
+            batch.deltas = {layer: delta.index_select(0, index) for layer, delta in batch.deltas.items()}
         if batch.mask is not None:
             batch.mask = batch.mask.index_select(0, index)
         if batch.next_pos is not None:

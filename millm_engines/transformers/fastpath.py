@@ -160,10 +160,18 @@ class LlamaDecoder:
             )
 
     @torch.inference_mode()
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None) -> torch.Tensor:
+    def step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        mask: torch.Tensor | None,
+        deltas: dict[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Logits ``[rows, vocab]`` for one new token per row. ``positions`` are the
         tokens' rotary positions; ``mask`` (bool ``[rows, length + 1]``, True = attend) is
-        needed only when rows are padded."""
+        needed only when rows are padded; ``deltas[layer]`` (``[rows, d_model]``) is added
+        to that block's output, as the steering hooks do on the HF forward."""
         rows = tokens.shape[0]
         hidden = F.embedding(tokens, self.embed)[:, None, :]
         cos, sin = self.rotary(hidden, positions[:, None])
@@ -191,5 +199,7 @@ class LlamaDecoder:
             x = _rms(hidden, layer.w_post, self.eps)
             gate_up = F.linear(x, layer.w_gate_up)
             hidden = hidden + F.linear(F.silu(gate_up[..., : self.inter]) * gate_up[..., self.inter :], layer.w_down)
+            if deltas is not None and i in deltas:
+                hidden = hidden + deltas[i][:, None, :]
         cache.length = t + 1
         return F.linear(_rms(hidden[:, 0], self.norm, self.eps), self.lm_head)
