@@ -71,7 +71,7 @@ def median_rate(samples: list[float]) -> float:
 
 
 def run_model(name: str, path: str, dtype: str, tokens: int, repeats: int) -> dict[str, Any]:
-    settings = load_settings({"dtype": dtype, "log_level": "warning", "default_max_tokens": tokens}, environ={})
+    settings = load_settings({"dtype": dtype, "log_level": "warning", "db": ":memory:", "default_max_tokens": tokens}, environ={})
     messages = [{"role": "user", "content": PROMPT}]
     loaded: dict[str, Any] = {}
 

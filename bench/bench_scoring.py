@@ -48,7 +48,7 @@ def prompts(count: int = 64) -> list[str]:
 
 def run_model(name: str, path: str, dtype: str, repeats: int) -> dict[str, Any]:
     declared = PluginHost.declared_settings()
-    settings = load_settings({"dtype": dtype, "log_level": "warning"}, environ={}, plugin_settings=declared)
+    settings = load_settings({"dtype": dtype, "log_level": "warning", "db": ":memory:"}, environ={}, plugin_settings=declared)
     loaded: dict[str, Any] = {}
 
     def loader() -> ServedModel:

@@ -36,6 +36,7 @@ _HELP = {
     "threads": "torch intra-op threads (default: torch's own choice)",
     "fast_decode": "true | false: the engine's lean decode step where it supports the architecture (default true)",
     "cache_dir": "where converted models are cached (default ~/.cache/millm)",
+    "db": "the SQLite database for what persists (default ~/.local/share/millm/millm.db)",
 }
 
 

@@ -34,6 +34,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     threads: int | None = None
     fast_decode: bool = True
     cache_dir: str | None = None
+    db: str | None = None
     # Values of the settings plugins declared through ``millm_register_settings``.
     plugin_values: dict[str, Any] = msgspec.field(default_factory=dict)
 
@@ -89,6 +90,7 @@ PARSERS: Mapping[str, object] = {
     "threads": _opt_int,
     "fast_decode": _bool,
     "cache_dir": str,
+    "db": str,
 }
 
 

@@ -74,7 +74,7 @@ def make_server(tiny_model: ServedModel, no_template_model: ServedModel) -> Serv
     @contextlib.contextmanager
     def factory(host: PluginHost | None = None, models: list[ServedModel] | None = None, **overrides: Any) -> Iterator[RunningServer]:
         host = host or build_host(load_settings(environ={}))
-        settings = load_settings({"log_level": "warning", **overrides}, environ={}, plugin_settings=host.plugin_settings())
+        settings = load_settings({"log_level": "warning", "db": ":memory:", **overrides}, environ={}, plugin_settings=host.plugin_settings())
         registry = ModelRegistry()
         for model in models if models is not None else [tiny_model, no_template_model]:
             registry.add(model)

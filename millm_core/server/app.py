@@ -20,6 +20,7 @@ from ..openapi import html_page, openapi_document, render
 from ..plugins import PluginHost
 from ..registry import ModelRegistry, ServedModel
 from ..scheduler import Scheduler
+from ..store import Store, default_db_path
 from .errors import handle_http_exception, handle_millm_error, handle_unexpected
 from .middleware import RequestIdMiddleware
 from .routes.chat import chat_completions
@@ -61,7 +62,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         scheduler = Scheduler(settings.max_queue)
-        state = AppState(settings=settings, host=host, models=registry, policy=policy, scheduler=scheduler)
+        store = Store(settings.db or default_db_path())
+        state = AppState(settings=settings, host=host, models=registry, policy=policy, scheduler=scheduler, store=store)
         document = openapi_document(host.response_schemas())
         state.extra["openapi"] = render(document).encode()
         state.extra["docs_html"] = html_page(document)
@@ -88,6 +90,7 @@ def create_app(
             if task is not None and not task.done():
                 task.cancel()
             scheduler.shutdown()
+            store.close()
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

@@ -9,6 +9,7 @@ from ..fields import FieldPolicy
 from ..plugins import PluginHost
 from ..registry import ModelRegistry
 from ..scheduler import Scheduler
+from ..store import Store
 
 
 @dataclass
@@ -20,6 +21,7 @@ class AppState:
     models: ModelRegistry
     policy: FieldPolicy
     scheduler: Scheduler
+    store: Store
     load_error: str | None = None
     loading: bool = False
     extra: dict[str, object] = field(default_factory=dict)

@@ -49,7 +49,7 @@ def test_readiness_follows_the_model_load(tiny_model: ServedModel) -> None:
         release.wait(20)
         return tiny_model
 
-    settings = load_settings({"log_level": "warning"}, environ={})
+    settings = load_settings({"log_level": "warning", "db": ":memory:"}, environ={})
     with RunningServer(create_app(settings, loader=loader)) as srv:
         assert httpx.get(srv.base_url + "/api/health").json() == {"status": "ok"}
         not_ready = httpx.get(srv.base_url + "/api/health/ready")
@@ -71,7 +71,7 @@ def test_failed_load_is_reported(tiny_model: ServedModel) -> None:
     def loader() -> ServedModel:
         raise OSError("weights unreadable")
 
-    settings = load_settings({"log_level": "critical"}, environ={})
+    settings = load_settings({"log_level": "critical", "db": ":memory:"}, environ={})
     with RunningServer(create_app(settings, loader=loader)) as srv:
         for _ in range(100):
             resp = httpx.get(srv.base_url + "/api/health/ready")

@@ -1,0 +1,77 @@
+"""The SAE management API on a real server; registrations survive a restart."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import httpx
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+D_SAE = 48
+
+
+def write_sae(folder: pathlib.Path, d_in: int, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {
+            "W_enc": rng.normal(size=(d_in, D_SAE)).astype(np.float32),
+            "b_enc": np.zeros(D_SAE, np.float32),
+            "W_dec": rng.normal(size=(D_SAE, d_in)).astype(np.float32),
+            "b_dec": np.zeros(d_in, np.float32),
+        },
+        str(folder / "sae_weights.safetensors"),
+    )
+    (folder / "cfg.json").write_text(json.dumps({"d_in": d_in, "d_sae": D_SAE, "architecture": "standard"}))
+    return str(folder)
+
+
+def test_lifecycle_and_refusals(make_server, tiny_engine, tmp_path: pathlib.Path) -> None:  # type: ignore[no-untyped-def]
+    d_model = tiny_engine.info.d_model
+    good = write_sae(tmp_path / "layer_1", d_model)
+    wrong = write_sae(tmp_path / "wrong", d_model + 1)
+    with make_server() as srv:
+        api = srv.base_url + "/api/saes"
+        created = httpx.post(api, json={"path": good, "id": "tiny-l1"})
+        assert created.status_code == 201
+        assert created.json() == {"id": "tiny-l1", "path": good, "architecture": "standard", "d_in": d_model, "d_sae": D_SAE, "attached_layers": []}
+        derived = httpx.post(api, json={"path": good})
+        assert derived.status_code == 201 and derived.json()["id"].endswith("--layer_1")
+        assert httpx.post(api, json={"path": good, "id": "tiny-l1"}).status_code == 409
+        bad = httpx.post(api, json={"path": str(tmp_path / "missing")})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_sae"
+        assert httpx.post(api, json={"path": good, "extra": 1}).status_code == 400
+        attached = httpx.post(api + "/tiny-l1/attach", json={"layer": 1})
+        assert attached.status_code == 200 and attached.json()["attached_layers"] == [1]
+        httpx.post(api + "/tiny-l1/attach", json={"layer": 0})
+        assert httpx.get(api + "/tiny-l1").json()["attached_layers"] == [0, 1]
+        assert httpx.post(api + "/tiny-l1/attach", json={"layer": 7}).json()["error"]["param"] == "layer"
+        httpx.post(api, json={"path": wrong, "id": "wrong"})
+        mismatch = httpx.post(api + "/wrong/attach", json={"layer": 0})
+        assert mismatch.status_code == 400 and "width" in mismatch.json()["error"]["message"]
+        assert httpx.post(api + "/tiny-l1/detach", json={"layer": 0}).json()["detached"] == 1
+        assert [s["id"] for s in httpx.get(api).json()["data"]] == sorted([derived.json()["id"], "tiny-l1", "wrong"])
+        assert httpx.delete(api + "/tiny-l1").status_code == 200
+        missing = httpx.get(api + "/tiny-l1")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "sae_not_found"
+
+
+def test_registrations_survive_a_restart(make_server, tiny_engine, tmp_path: pathlib.Path) -> None:  # type: ignore[no-untyped-def]
+    db = str(tmp_path / "millm.db")
+    path = write_sae(tmp_path / "sae", tiny_engine.info.d_model)
+    with make_server(db=db) as first:
+        assert httpx.post(first.base_url + "/api/saes", json={"path": path, "id": "kept"}).status_code == 201
+        httpx.post(first.base_url + "/api/saes/kept/attach", json={"layer": 1})
+    with make_server(db=db) as second:
+        listed = httpx.get(second.base_url + "/api/saes").json()["data"]
+        assert [(s["id"], s["path"], s["attached_layers"]) for s in listed] == [("kept", path, [])]  # attachments are runtime state
+
+
+@pytest.mark.parametrize("field", [("steering", {"features": [{"index": 1, "strength": 2.0}]}), ("profile", "p"), ("steering_intensity", 0.5)])
+def test_steering_requests_stay_refused(server, field) -> None:  # type: ignore[no-untyped-def]
+    name, value = field
+    resp = httpx.post(server.base_url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], name: value})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "field_not_honoured" and resp.json()["error"]["param"] == name
