@@ -64,6 +64,8 @@ class RequestContext:
     response_headers: dict[str, str] = field(default_factory=dict)
     ignored_fields: list[str] = field(default_factory=list)
     stash: Stash = field(default_factory=Stash)
+    # The app's shared state (``AppState``): plugins reach their runtime state through it.
+    services: Any = None
 
     def set_header(self, name: str, value: str) -> None:
         self.response_headers[name] = value

@@ -40,6 +40,8 @@ class ForwardPlan:
     sampling: SamplingParams
     max_new_tokens: int
     processor_factories: list[ProcessorFactory] = field(default_factory=list)
+    # layer -> vector added to that block's output for this request's rows (steering).
+    deltas: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
     def add_processor(self, factory: ProcessorFactory) -> None:
         """Register a per-row processor factory; processors run in registration order."""

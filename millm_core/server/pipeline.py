@@ -214,7 +214,7 @@ def submit(state: AppState, prepared: Prepared) -> RunHandle:
         for j in range(prepared.n):
             index = p_index * prepared.n + j
             sampling = msgspec.structs.replace(prepared.plan.sampling, stream=index)
-            rows.append(RowSpec(prompt_ids=tuple(ids), sampling=sampling))
+            rows.append(RowSpec(prompt_ids=tuple(ids), sampling=sampling, deltas=dict(prepared.plan.deltas)))
             info = RowInfo(index=index, prompt_index=p_index, prompt_tokens=len(ids))
             drivers.append(
                 RowDriver(

@@ -11,7 +11,14 @@ from millm_core.hookspecs import hookimpl
 MILLM_PLUGIN_KIND = "engine"
 
 CAPABILITIES = frozenset(
-    {Capability.GENERATE, Capability.SEED, Capability.MULTIPLE_CHOICES, Capability.EMBEDDINGS, Capability.SCORING}
+    {
+        Capability.GENERATE,
+        Capability.SEED,
+        Capability.MULTIPLE_CHOICES,
+        Capability.EMBEDDINGS,
+        Capability.SCORING,
+        Capability.STEERING,
+    }
 )
 
 

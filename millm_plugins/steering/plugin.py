@@ -1,8 +1,10 @@
-"""SAE management API: register, list, delete, attach and detach SAEs.
+"""SAE steering: the management API (register, list, delete, attach, detach SAEs) and
+inline ``steering`` on chat and text completions, reported in ``X-miLLM-Steering``.
 
 Registrations persist in the server's database; attachments are the running server's
-state. Steering requests (``steering``, ``profile``, ``steering_intensity``) stay refused
-with ``field_not_honoured`` until this plugin honours them.
+state. ``profile`` and ``steering_intensity`` stay refused with ``field_not_honoured`` until
+profiles exist. Steering is per request: the request's rows carry their own delta, and no
+global state is written for a request.
 """
 
 from __future__ import annotations
@@ -15,12 +17,22 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from millm_core.codec import convert, decode_json, encode
-from millm_core.errors import ModelNotLoaded
+from millm_core.context import RequestContext, StashKey
+from millm_core.engine import Capability
+from millm_core.errors import InvalidRequest, ModelNotLoaded
+from millm_core.fields import ALL_ENDPOINTS, FieldRule
 from millm_core.hookspecs import hookimpl
+from millm_core.pipeline_types import Finalization, ForwardPlan, Outcome, Problem
 from millm_core.server.routes.common import app_state, read_body
 
+from .inline import Resolved, conflicts, parse, report, resolve
 from .registry import SteeringState
 from .sae import SAE
+
+NAME = "steering"
+HEADER = "X-miLLM-Steering"
+STREAM_KEY = "millm_steering"
+APPLIED = StashKey[Resolved | None]("steering.applied")
 
 STATE_KEY = "steering"
 
@@ -50,7 +62,10 @@ class SAEInfo(msgspec.Struct, kw_only=True):
 
 
 def _state(request: Request) -> SteeringState:
-    app = app_state(request)
+    return state_of(app_state(request))
+
+
+def state_of(app: Any) -> SteeringState:
     state = app.extra.get(STATE_KEY)
     if state is None:
         state = app.extra[STATE_KEY] = SteeringState(store=app.store)
@@ -103,8 +118,6 @@ async def attach_sae(request: Request) -> Response:
     if model is None:
         raise ModelNotLoaded("an SAE attaches to the resident model, and none is loaded yet")
     if body.layer is None:
-        from millm_core.errors import InvalidRequest
-
         raise InvalidRequest("attach needs a layer", param="layer")
     sae_id = request.path_params["sae_id"]
     state.attach(sae_id, body.layer, model.info.d_model, model.info.n_layers)
@@ -129,3 +142,45 @@ def millm_register_routes(register: Callable[..., None]) -> None:
     register("/api/saes/{sae_id}", delete_sae, ["DELETE"])
     register("/api/saes/{sae_id}/attach", attach_sae, ["POST"])
     register("/api/saes/{sae_id}/detach", detach_sae, ["POST"])
+
+
+# ------------------------------------------------------------------ inline steering
+
+
+@hookimpl
+def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
+    register(FieldRule("steering", ALL_ENDPOINTS, by=NAME, requires=Capability.STEERING))
+
+
+@hookimpl
+def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
+    raw = request.steering
+    if raw is None or raw is msgspec.UNSET:
+        return []
+    _, problems = parse(raw)
+    return problems + conflicts(request)
+
+
+@hookimpl
+def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> None:
+    raw = request.steering
+    resolved = None
+    if raw is not None and raw is not msgspec.UNSET:
+        steering, _ = parse(raw)
+        assert steering is not None  # validated
+        state = state_of(ctx.services)
+        saes = {sae_id: state.get(sae_id) for sae_id, _ in state.attachments}
+        resolved = resolve(steering, state.attachments, saes)
+        if resolved is not None:
+            direction = saes[resolved.sae_id].direction(resolved.applied.features)
+            plan.deltas[resolved.layer] = tuple(float(v) for v in direction)
+    ctx.stash[APPLIED] = resolved
+
+
+@hookimpl
+def millm_finalize(ctx: RequestContext, request: Any, outcome: Outcome, out: Finalization) -> None:
+    value = report(ctx.stash.get(APPLIED, None))
+    if ctx.stream:
+        out.extensions[STREAM_KEY] = value
+    else:
+        out.headers[HEADER] = value

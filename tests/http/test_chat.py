@@ -114,12 +114,15 @@ def test_stream_frames_byte_level(server, client, tiny_engine) -> None:  # type:
         raw = resp.read()
     chunks = json_frames(raw)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    assert len(finals) == 1 and finals[0] is chunks[-1]
+    content = [c for c in chunks if c["choices"]]
+    extensions = chunks[len(content):]  # closing extension chunks (e.g. the steering report)
+    assert all(c["choices"] == [] and any(k.startswith("millm_") for k in c) for c in extensions)
+    finals = [c for c in content if c["choices"][0]["finish_reason"]]
+    assert len(finals) == 1 and finals[0] is content[-1]
     assert finals[0]["usage"]["completion_tokens"] == 15 or finals[0]["choices"][0]["finish_reason"] == "stop"
-    assert all("usage" not in c for c in chunks[:-1])
+    assert all("usage" not in c for c in content[:-1])
     assert len({c["id"] for c in chunks}) == 1
-    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in content)
     assert (text, finals[0]["choices"][0]["finish_reason"]) == hf_reference(tiny_engine, chat_ids(tiny_engine, MESSAGES), 15)
 
 

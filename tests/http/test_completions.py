@@ -47,4 +47,5 @@ def test_streamed_completion_matches_non_streamed(server, client) -> None:  # ty
             reasons[choice["index"]] = choice["finish_reason"] or reasons[choice["index"]]
     assert texts == [c.text for c in plain.choices]
     assert reasons == [c.finish_reason for c in plain.choices]
-    assert "usage" in chunks[-1] and chunks[-1]["usage"]["prompt_tokens"] == plain.usage.prompt_tokens
+    final = [c for c in chunks if c["choices"]][-1]
+    assert "usage" in final and final["usage"]["prompt_tokens"] == plain.usage.prompt_tokens

@@ -70,8 +70,8 @@ def test_registrations_survive_a_restart(make_server, tiny_engine, tmp_path: pat
         assert [(s["id"], s["path"], s["attached_layers"]) for s in listed] == [("kept", path, [])]  # attachments are runtime state
 
 
-@pytest.mark.parametrize("field", [("steering", {"features": [{"index": 1, "strength": 2.0}]}), ("profile", "p"), ("steering_intensity", 0.5)])
-def test_steering_requests_stay_refused(server, field) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("field", [("profile", "p"), ("steering_intensity", 0.5)])
+def test_profiles_and_intensity_stay_refused(server, field) -> None:  # type: ignore[no-untyped-def]
     name, value = field
     resp = httpx.post(server.base_url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], name: value})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "field_not_honoured" and resp.json()["error"]["param"] == name

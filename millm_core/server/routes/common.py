@@ -59,6 +59,7 @@ async def decode_request(request: Request, endpoint: Endpoint, type_: type[T]) -
         settings=state.settings,
         headers={k.lower(): v for k, v in request.headers.items()},
         stream=bool(getattr(decoded, "stream", False)),
+        services=state,
     )
     ctx.ignored_fields.extend(unknown_fields(raw, type_))
     return state, ctx, decoded
