@@ -5,7 +5,8 @@ For each model it measures greedy decode tokens/s at batch 1 for
   (b) millm's engine driven directly (engine + RowDriver, no HTTP),
   (c) the HTTP server, non-streaming (openai SDK),
   (d) the HTTP server, streaming (openai SDK),
-and prints b/a, c/a, d/a and time to first token. Each variant runs ``--repeats`` times,
+  (e) the engine directly with one inline steered feature (a per-row delta at one layer),
+and prints b/a, c/a, d/a, e/b and time to first token. Each variant runs ``--repeats`` times,
 alternating, and the medians are compared. EOS is disabled everywhere so that every run
 generates exactly ``--tokens`` tokens. Results go to stdout and bench/results/latest.json.
 
@@ -85,9 +86,9 @@ def run_model(name: str, path: str, dtype: str, tokens: int, repeats: int) -> di
     # baseline and the direct-engine runs go to the same thread (Scheduler.call), so all
     # tensor work of the process happens on one thread, like in production.
     app = create_app(settings, host=build_host(settings), loader=loader)
-    results: dict[str, list[float]] = {"a_hf_generate": [], "b_engine": [], "c_http": [], "d_http_stream": []}
-    ttft: dict[str, list[float]] = {"a_hf_generate": [], "b_engine": [], "d_http_stream": []}
-    decode: dict[str, list[float]] = {"a_hf_generate": [], "b_engine": [], "d_http_stream": []}
+    results: dict[str, list[float]] = {"a_hf_generate": [], "b_engine": [], "c_http": [], "d_http_stream": [], "e_engine_steered": []}
+    ttft: dict[str, list[float]] = {"a_hf_generate": [], "b_engine": [], "d_http_stream": [], "e_engine_steered": []}
+    decode: dict[str, list[float]] = {"a_hf_generate": [], "b_engine": [], "d_http_stream": [], "e_engine_steered": []}
     with RunningServer(app) as server:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="bench", max_retries=0)
         deadline = time.monotonic() + 600
@@ -131,10 +132,15 @@ def run_model(name: str, path: str, dtype: str, tokens: int, repeats: int) -> di
             assert out.shape[1] - len(prompt_ids) == tokens
             return tokens / elapsed, streamer.first
 
-        def engine_direct() -> tuple[float, float | None]:
+        # One inline steered feature: strength × a unit-norm decoder row, at the middle layer.
+        direction = torch.randn(engine.info.d_model, generator=torch.Generator().manual_seed(0))
+        steer = {engine.info.n_layers // 2: tuple((4.0 * direction / direction.norm()).tolist())}
+
+        def engine_direct(deltas: dict[int, tuple[float, ...]] | None = None) -> tuple[float, float | None]:
             driver = RowDriver(0, decode=engine.decode, processors=[], eos_token_ids=frozenset(), max_new_tokens=tokens)
             start = time.perf_counter()
-            batch = engine.open_batch([RowSpec(prompt_ids=tuple(prompt_ids), sampling=SamplingParams(temperature=0.0))])
+            row = RowSpec(prompt_ids=tuple(prompt_ids), sampling=SamplingParams(temperature=0.0), deltas=deltas or {})
+            batch = engine.open_batch([row])
             first = None
             done = False
             while not done:
@@ -165,6 +171,7 @@ def run_model(name: str, path: str, dtype: str, tokens: int, repeats: int) -> di
         variants: list[tuple[str, Callable[[], tuple[float, float | None]]]] = [
             ("a_hf_generate", on_worker(hf_generate)),
             ("b_engine", on_worker(engine_direct)),
+            ("e_engine_steered", on_worker(lambda: engine_direct(steer))),
             ("c_http", http_plain),
             ("d_http_stream", http_stream),
         ]
@@ -196,6 +203,7 @@ def run_model(name: str, path: str, dtype: str, tokens: int, repeats: int) -> di
         "decode_ratios": {
             "b/a": round(dec["b_engine"] / dec["a_hf_generate"], 3),
             "d/a": round(dec["d_http_stream"] / dec["a_hf_generate"], 3),
+            "steered e/b": round(dec["e_engine_steered"] / dec["b_engine"], 3),
         },
         "ttft_ms": {k: round(1000 * statistics.median(v), 1) for k, v in ttft.items() if v},
     }
@@ -226,13 +234,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['ratios']['d/a']:>7.2f}{r['ttft_ms'].get('d_http_stream', float('nan')):>9.1f}"
         )
     print("\ndecode only (after the first token), tokens/s; time to first token in ms")
-    print(f"{'model':<10}{'HF gen':>9}{'engine':>9}{'stream':>9}{'b/a':>7}{'d/a':>7}{'TTFT a':>9}{'TTFT b':>9}{'TTFT d':>9}")
+    print(f"{'model':<10}{'HF gen':>9}{'engine':>9}{'stream':>9}{'b/a':>7}{'d/a':>7}{'TTFT a':>9}{'TTFT b':>9}{'TTFT d':>9}{'steered':>9}{'e/b':>7}")
     for r in reports:
         d, t = r["decode_tok_per_s"], r["ttft_ms"]
         print(
             f"{r['model']:<10}{d['a_hf_generate']:>9.1f}{d['b_engine']:>9.1f}{d['d_http_stream']:>9.1f}"
             f"{r['decode_ratios']['b/a']:>7.2f}{r['decode_ratios']['d/a']:>7.2f}"
             f"{t['a_hf_generate']:>9.1f}{t['b_engine']:>9.1f}{t['d_http_stream']:>9.1f}"
+            f"{d['e_engine_steered']:>9.1f}{r['decode_ratios']['steered e/b']:>7.2f}"
         )
     save_results("latest.json", reports)
     return 0

@@ -18,8 +18,10 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     encoding_format: Literal["float", "base64"] | None | UnsetType = UNSET
     pooling: Literal["mean", "last", "cls"] | None | UnsetType = UNSET
     normalize: bool | None | UnsetType = UNSET
-    # Declared so that it is refused by name: no model declares truncated embeddings.
+    # Declared so that they are refused by name: no model declares truncated embeddings,
+    # and embeddings always run in the served precision ("native" is accepted).
     dimensions: int | None | UnsetType = UNSET
+    scoring_precision: str | None | UnsetType = UNSET
 
     def inputs(self) -> list[str]:
         return [self.input] if isinstance(self.input, str) else list(self.input)

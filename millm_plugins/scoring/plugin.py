@@ -197,6 +197,8 @@ async def _score(ctx: RequestContext, request: Any, model: ServedModel, state: A
     prompt_tokens = sum(len(p) for p in prompts)
     usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0, total_tokens=prompt_tokens)
     headers = response_headers(ctx, info.served_name)
+    # Scoring passes carry no steering delta (and no per-request state at all).
+    headers["X-miLLM-Steering"] = "none"
     if precision:
         headers["X-miLLM-Scoring-Precision"] = precision
     if _sent(request.seed):

@@ -158,3 +158,27 @@ def test_steered_and_unsteered_requests_at_once_each_get_their_own(steered_serve
         t.join(60)
     for key in ("steered", "plain"):
         assert results[key]["choices"][0]["message"]["content"] == alone[key]["choices"][0]["message"]["content"]
+
+
+def test_scoring_beside_a_steered_generation_stays_unsteered(steered_server) -> None:  # type: ignore[no-untyped-def]
+    steering = {"features": [{"index": 4, "strength": 8.0}]}
+    score_body = {"model": "tiny", "prompt": "The sea is", "max_tokens": 1, "logprobs": 5}
+    alone_steered = chat(steered_server, steering=steering, max_tokens=40).json()
+    alone_score = httpx.post(steered_server.base_url + "/v1/completions", json=score_body).json()
+    results: dict[str, Any] = {}
+
+    def generate() -> None:
+        results["steered"] = chat(steered_server, steering=steering, max_tokens=40).json()
+
+    def score() -> None:
+        resp = httpx.post(steered_server.base_url + "/v1/completions", json=score_body)
+        results["score"], results["score_header"] = resp.json(), resp.headers["x-millm-steering"]
+
+    threads = [threading.Thread(target=generate), threading.Thread(target=score)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results["steered"]["choices"] == alone_steered["choices"]
+    assert results["score"]["choices"] == alone_score["choices"]
+    assert results["score_header"] == "none"
