@@ -134,9 +134,15 @@ def policy_table(
                 rules = [r for r in policy.rules().get(name, ()) if endpoint in r.endpoints]
                 usable = [r for r in rules if r.requires is None or r.requires in caps]
                 if usable:
-                    rule = usable[0]
-                    status = "honoured-with-condition" if rule.condition else "honoured"
-                    cells.append(PolicyCell(field=name, endpoint=endpoint, engine=engine, status=status, by=rule.by, condition=rule.condition or None))
+                    # An unconditional rule wins; otherwise every condition under which
+                    # some plugin honours the field is listed.
+                    plain = [r for r in usable if not r.condition]
+                    if plain:
+                        cells.append(PolicyCell(field=name, endpoint=endpoint, engine=engine, status="honoured", by=plain[0].by))
+                    else:
+                        by = ", ".join(sorted({r.by for r in usable}))
+                        condition = "; ".join(f"{r.condition} ({r.by})" for r in sorted(usable, key=lambda r: r.by))
+                        cells.append(PolicyCell(field=name, endpoint=endpoint, engine=engine, status="honoured-with-condition", by=by, condition=condition))
                 elif rules:
                     needed = ", ".join(sorted({r.requires.value for r in rules if r.requires}))
                     cells.append(PolicyCell(field=name, endpoint=endpoint, engine=engine, status="refused", reason=f"the engine lacks the capability {needed}"))

@@ -74,6 +74,16 @@ def test_every_cell_behaves_as_the_table_says(server) -> None:  # type: ignore[n
             assert resp.status_code == 200, (cell, resp.text)
 
 
+def test_unconditional_honour_wins_and_conditions_are_listed(server) -> None:  # type: ignore[no-untyped-def]
+    cells = {(c["field"], c["endpoint"]): c for c in table(server.base_url)}
+    assert cells[("temperature", "completions")] | {"reason": None} == {
+        "field": "temperature", "endpoint": "completions", "engine": "transformers", "status": "honoured", "by": "sampling", "condition": None, "reason": None,
+    }
+    n = cells[("n", "chat.completions")]
+    assert n["status"] == "honoured-with-condition" and n["by"] == "sampling, scoring"
+    assert n["condition"] == "not streaming (sampling); scoring mode (scoring)"
+
+
 @pytest.mark.parametrize("field", ["temperature", "seed", "stop", "encoding_format"])
 def test_disabling_a_plugin_turns_its_cells_to_refused(make_server, field: str) -> None:  # type: ignore[no-untyped-def]
     from millm_core.config import load_settings
