@@ -45,7 +45,9 @@ def score_row(logits: np.ndarray, allowed: Sequence[int] | None, temperature: fl
         raise NonFiniteLogits("every candidate token has a -inf logit")
     logz = peak + np.log(np.exp(values - peak).sum())
     logprobs = values - logz
-    order = np.argsort(-logprobs, kind="stable")
+    # Order by the logits themselves: values that differ by less than float64 resolution
+    # after normalisation (a subnormal against 0.0) must still rank as the logits do.
+    order = np.argsort(-values, kind="stable")
     best = int(order[0])
     count = len(order) if top is None else min(top, len(order))
     candidates = [(int(ids[i]), float(logprobs[i])) for i in order[:count]]

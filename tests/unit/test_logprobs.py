@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
@@ -14,6 +14,7 @@ from millm_plugins.scoring.logprobs import NonFiniteLogits, score_row
 
 
 @given(arrays(np.float32, 50, elements=st.floats(-30, 30, width=32)), st.sets(st.integers(0, 49), min_size=1, max_size=10))
+@example(np.array([-1.1754944e-38, 0.0] + [-30.0] * 48, dtype=np.float32), {0, 1})  # a subnormal against 0.0
 def test_allowed_set_sums_to_one_and_best_is_argmax(logits: np.ndarray, allowed: set[int]) -> None:
     ids = sorted(allowed)
     scored = score_row(logits, ids, 0.0, None)
