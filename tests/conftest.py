@@ -10,6 +10,7 @@ from typing import Any
 
 import openai
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from millm_core.config import Settings, load_settings
 from millm_core.engine import ModelLocation
@@ -22,6 +23,11 @@ from millm_core.testing import RunningServer
 from millm_engines.transformers.testing import tiny_model_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# CI runs the property tests derandomised (reproducible verdicts); local runs keep
+# exploring new examples, which is how edge cases get found and then pinned with @example.
+hypothesis_settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+if os.environ.get("CI"):
+    hypothesis_settings.load_profile("ci")
 configure_logging("console", os.environ.get("MILLM_TEST_LOG_LEVEL", "warning"))
 TINY = "tiny"
 
