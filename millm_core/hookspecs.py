@@ -96,10 +96,13 @@ def millm_register_schemas(register: Callable[[str, type], None]) -> None:
 
 
 @hookspec
-def millm_register_routes(register: Callable[[str, Callable[..., Any], list[str]], None]) -> None:
-    """Add HTTP routes: ``register(path, endpoint, methods)`` with a Starlette endpoint
-    ``async def endpoint(request) -> Response``. Shared objects are on
-    ``request.app.state.millm``.
+def millm_register_routes(register: Callable[..., None]) -> None:
+    """Add HTTP routes: ``register(path, endpoint, methods, doc=None)`` with a Starlette
+    endpoint ``async def endpoint(request) -> Response``. Shared objects are on
+    ``request.app.state.millm``. A ``doc`` (:class:`~millm_core.openapi.RouteDoc`: summary,
+    request and response Structs, status, error statuses) puts the route in the served
+    OpenAPI document; raise :class:`~millm_core.errors.MillmError` subclasses for errors so
+    they take the API's error shape.
 
     Return: nothing.
     """

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import html
 import json
+import re
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -38,7 +40,8 @@ _REF = "#/components/schemas/{name}"
 
 _ERRORS = {
     "400": "Refused: invalid JSON or value, a field nothing honours, unused fields in strict mode, context length exceeded",
-    "404": "Unknown model",
+    "404": "Unknown model, or the named object does not exist",
+    "409": "The object exists already",
     "413": "Request body over the configured limit",
     "500": "Unexpected failure (details in the server log under the request id)",
     "503": "No model loaded, or the request queue is full (see Retry-After)",
@@ -78,10 +81,42 @@ def _generation(summary: str, request: type, response: type, chunk: type) -> dic
     }
 
 
-def openapi_document(extra_responses: Sequence[tuple[str, type]] = ()) -> dict[str, Any]:
+@dataclass(frozen=True)
+class RouteDoc:
+    """How a plugin's route appears in the OpenAPI document: passed as ``doc=`` to the
+    ``register`` callable of ``millm_register_routes``. ``request``/``response`` are
+    msgspec Structs (None: no JSON body); ``errors`` are the error statuses it can answer."""
+
+    summary: str
+    request: type | None = None
+    response: type | None = None
+    status: int = 200
+    errors: tuple[str, ...] = ("400", "404")
+
+
+Documented = tuple[str, str, RouteDoc]  # (path, method, doc)
+
+
+def _operation(path: str, doc: RouteDoc) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": doc.summary}
+    params = re.findall(r"{(\w+)}", path)
+    if params:
+        op["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in params]
+    if doc.request is not None:
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(doc.request)}}}
+    ok: dict[str, Any] = {"description": doc.summary}
+    if doc.response is not None:
+        ok["content"] = {"application/json": {"schema": _ref(doc.response)}}
+    op["responses"] = {str(doc.status): ok, **_errors(*doc.errors, *(("413",) if doc.request else ()))}
+    return op
+
+
+def openapi_document(extra_responses: Sequence[tuple[str, type]] = (), routes: Sequence[Documented] = ()) -> dict[str, Any]:
     """The whole document, deterministic for a given code version. ``extra_responses``
-    are plugins' additional 200 bodies per path (``millm_register_schemas``)."""
-    extra_types = sorted({t for _, t in extra_responses}, key=lambda t: t.__name__)
+    are plugins' additional 200 bodies per path (``millm_register_schemas``); ``routes``
+    are plugins' documented routes (``millm_register_routes`` with ``doc=``)."""
+    route_types = {t for _, _, doc in routes for t in (doc.request, doc.response) if t is not None}
+    extra_types = sorted({t for _, t in extra_responses} | route_types, key=lambda t: t.__name__)
     _, components = msgspec.json.schema_components([*_TYPES, *extra_types], ref_template=_REF)
     paths: dict[str, Any] = {
         "/v1/chat/completions": _generation("Chat completion", ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk),
@@ -111,6 +146,8 @@ def openapi_document(extra_responses: Sequence[tuple[str, type]] = ()) -> dict[s
             }
         },
     }
+    for path, method, doc in sorted(routes, key=lambda r: (r[0], r[1])):
+        paths.setdefault(path, {})[method.lower()] = _operation(path, doc)
     for path, type_ in sorted(extra_responses, key=lambda pt: (pt[0], pt[1].__name__)):
         operation = next(iter(paths[path].values()))
         body = operation["responses"]["200"]["content"]["application/json"]
@@ -184,7 +221,7 @@ def installed_document() -> dict[str, Any]:
 
     host = PluginHost()
     host.discover(Settings())
-    return openapi_document(host.response_schemas())
+    return openapi_document(host.response_schemas(), host.documented_routes())
 
 
 if __name__ == "__main__":  # pragma: no cover - exercised by `make schemas`

@@ -25,6 +25,7 @@ from .context import RequestContext
 from .engine import EngineFactory, ModelSource
 from .errors import ConfigError
 from .fields import FieldRule
+from .openapi import Documented, RouteDoc
 from .pipeline_types import Finalization, ForwardPlan, Outcome, Problem
 from .registry import ModelRegistry, ServedModel
 
@@ -138,10 +139,21 @@ class PluginHost:
         self._pm.hook.millm_register_schemas(register=lambda path, struct: found.append((path, struct)))
         return found
 
-    def routes(self) -> list[tuple[str, Callable[..., Any], list[str]]]:
-        found: list[tuple[str, Callable[..., Any], list[str]]] = []
-        self._pm.hook.millm_register_routes(register=lambda path, endpoint, methods: found.append((path, endpoint, methods)))
+    def _routes(self) -> list[tuple[str, Callable[..., Any], list[str], RouteDoc | None]]:
+        found: list[tuple[str, Callable[..., Any], list[str], RouteDoc | None]] = []
+
+        def register(path: str, endpoint: Callable[..., Any], methods: list[str], doc: RouteDoc | None = None) -> None:
+            found.append((path, endpoint, methods, doc))
+
+        self._pm.hook.millm_register_routes(register=register)
         return found
+
+    def routes(self) -> list[tuple[str, Callable[..., Any], list[str]]]:
+        return [(path, endpoint, methods) for path, endpoint, methods, _ in self._routes()]
+
+    def documented_routes(self) -> list[Documented]:
+        """``(path, method, doc)`` for every route registered with a ``doc``."""
+        return [(path, method, doc) for path, _, methods, doc in self._routes() if doc is not None for method in methods]
 
     # -------------------------------------------------------------- request hooks
 

@@ -46,8 +46,8 @@ class AppliedSet(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         clamped = 0
         for index, strength in items:
             value = float(strength)
-            if not math.isfinite(value):
-                raise ValueError(f"feature {index}: strength must be finite")
+            if math.isnan(value):  # ±inf (an overflowed stored × λ) clamps like any value
+                raise ValueError(f"feature {index}: strength is NaN")
             bounded = clamp(value)
             if bounded != 0.0:
                 clamped += bounded != value

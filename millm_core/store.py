@@ -1,8 +1,10 @@
 """Persistence: one SQLite database (``--db`` / ``MILLM_DB``) with numbered migrations.
 
-Feature plugins keep what must survive a restart here (SAE registrations now; profiles,
-clusters and circuits next). The connection is owned by the app's lifespan and used from
-the event loop thread only; each call is a short transaction.
+Feature plugins keep what must survive a restart here. Each plugin owns its tables: it
+calls :meth:`Store.migrate` with its own namespace and an append-only tuple of SQL
+statements, and the store runs the ones not yet applied (the namespace's applied count is
+its schema version). The core itself defines no tables beyond that bookkeeping. The
+connection is owned by the app's lifespan; each call is a short transaction.
 """
 
 from __future__ import annotations
@@ -12,17 +14,6 @@ import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-
-# Each migration runs once, in order; the applied count is the schema version.
-MIGRATIONS: Sequence[str] = (
-    """
-    CREATE TABLE saes (
-        id TEXT PRIMARY KEY,
-        path TEXT NOT NULL,
-        created REAL NOT NULL
-    )
-    """,
-)
 
 
 def default_db_path() -> str:
@@ -40,22 +31,27 @@ class Store:
         self._lock = threading.Lock()
         self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA journal_mode=WAL" if path != ":memory:" else "PRAGMA journal_mode=MEMORY")
-        self._conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-        self._migrate()
+        self._conn.execute("CREATE TABLE IF NOT EXISTS migrations (namespace TEXT PRIMARY KEY, version INTEGER NOT NULL)")
 
-    @property
-    def version(self) -> int:
-        row = self._conn.execute("SELECT version FROM schema_version").fetchone()
-        return int(row[0]) if row else 0
+    def version(self, namespace: str) -> int:
+        """How many of ``namespace``'s migrations have been applied."""
+        row = self.query("SELECT version FROM migrations WHERE namespace = ?", (namespace,))
+        return int(str(row[0][0])) if row else 0
 
-    def _migrate(self) -> None:
+    def migrate(self, namespace: str, migrations: Sequence[str]) -> None:
+        """Apply ``namespace``'s migrations that have not run yet, in order, in one
+        transaction. ``migrations`` is append-only: never edit a released statement."""
         with self.transaction() as conn:
-            current = self.version
-            if not current:
-                conn.execute("INSERT INTO schema_version (version) VALUES (0)")
-            for number, statement in enumerate(MIGRATIONS[current:], start=current + 1):
+            row = conn.execute("SELECT version FROM migrations WHERE namespace = ?", (namespace,)).fetchone()
+            current = int(row[0]) if row else 0
+            if current > len(migrations):
+                raise RuntimeError(f"the database's {namespace!r} schema is at version {current}, newer than this millm ({len(migrations)})")
+            for statement in migrations[current:]:
                 conn.execute(statement)
-                conn.execute("UPDATE schema_version SET version = ?", (number,))
+            conn.execute(
+                "INSERT INTO migrations (namespace, version) VALUES (?, ?) ON CONFLICT(namespace) DO UPDATE SET version = excluded.version",
+                (namespace, len(migrations)),
+            )
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:

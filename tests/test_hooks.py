@@ -11,6 +11,7 @@ import pathlib
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -18,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from millm_core import hookspecs
 from millm_core.config import load_settings
 from millm_core.hookspecs import hookimpl
+from millm_core.openapi import RouteDoc
 from millm_core.registry import ModelRegistry, ServedModel
 from millm_core.server.app import build_host
 
@@ -43,6 +45,15 @@ class RoutePlugin:
             return JSONResponse({"pong": True, "models": models})
 
         register("/api/example/ping", ping, ["GET"])
+        register("/api/example/echo/{word}", echo, ["POST"], doc=RouteDoc("Echo a word", request=Shout, response=Shout, errors=("400",)))
+
+
+class Shout(msgspec.Struct):
+    word: str
+
+
+async def echo(request: Request) -> Response:
+    return JSONResponse({"word": request.path_params["word"]})
 
 
 class AliasPlugin:
@@ -61,6 +72,12 @@ def test_register_routes_and_resolve(make_server) -> None:  # type: ignore[no-un
     host.register(AliasPlugin(), "alias")
     with make_server(host=host) as srv:
         assert httpx.get(srv.base_url + "/api/example/ping").json() == {"pong": True, "models": ["tiny", "tiny-no-template"]}
+        assert httpx.post(srv.base_url + "/api/example/echo/hi").json() == {"word": "hi"}
+        paths = httpx.get(srv.base_url + "/v1/openapi.json").json()["paths"]
+        assert "/api/example/ping" not in paths  # registered without a doc
+        echo_op = paths["/api/example/echo/{word}"]["post"]
+        assert echo_op["parameters"][0]["name"] == "word" and set(echo_op["responses"]) == {"200", "400", "413"}
+        assert echo_op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/Shout")
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
         resp = client.chat.completions.with_raw_response.create(model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert resp.headers["x-millm-model"] == "tiny"

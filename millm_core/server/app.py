@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from typing import Any, cast
 
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import Route
 
 from .. import builtin
@@ -43,6 +46,23 @@ def build_host(settings: Settings) -> PluginHost:
     return host
 
 
+def _merged_routes(registered: list[tuple[str, Callable[..., Any], list[str]]]) -> list[Route]:
+    """One Starlette route per path, so a 405 lists every method the path supports even
+    when plugins register them one at a time."""
+    by_path: dict[str, dict[str, Callable[..., Any]]] = {}
+    for path, endpoint, methods in registered:
+        for method in methods:
+            by_path.setdefault(path, {})[method.upper()] = endpoint
+    merged = []
+    for path, handlers in by_path.items():
+
+        async def dispatch(request: Request, handlers: dict[str, Callable[..., Any]] = handlers) -> Response:
+            return cast(Response, await handlers[request.method if request.method != "HEAD" else "GET"](request))
+
+        merged.append(Route(path, dispatch, methods=sorted(handlers)))
+    return merged
+
+
 def create_app(
     settings: Settings,
     *,
@@ -64,7 +84,7 @@ def create_app(
         scheduler = Scheduler(settings.max_queue)
         store = Store(settings.db or default_db_path())
         state = AppState(settings=settings, host=host, models=registry, policy=policy, scheduler=scheduler, store=store)
-        document = openapi_document(host.response_schemas())
+        document = openapi_document(host.response_schemas(), host.documented_routes())
         state.extra["openapi"] = render(document).encode()
         state.extra["docs_html"] = html_page(document)
         app.state.millm = state
@@ -104,8 +124,7 @@ def create_app(
         Route("/v1/openapi.json", openapi, methods=["GET"]),
         Route("/v1/docs", api_docs, methods=["GET"]),
     ]
-    for path, endpoint, methods in host.routes():
-        routes.append(Route(path, endpoint, methods=methods))
+    routes.extend(_merged_routes(host.routes()))
     app = Starlette(
         routes=routes,
         lifespan=lifespan,

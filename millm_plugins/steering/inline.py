@@ -108,12 +108,3 @@ def resolve(steering: InlineSteering, attachments: Iterable[tuple[str, int]], sa
         if not 0 <= feature.index < width:
             raise InvalidFeatureIndex(f"feature index {feature.index} is outside [0, {width}) for SAE {sae_id!r}", param=f"steering.features[{position}].index")
     return Resolved(sae_id=sae_id, layer=layer, applied=AppliedSet.build(sae_id, [(f.index, f.strength) for f in steering.features]))
-
-
-def report(resolved: Resolved | None) -> str:
-    """The ``X-miLLM-Steering`` value for what was applied (RFC 8941 List)."""
-    if resolved is None or not resolved.applied.features:
-        return "none"
-    applied = resolved.applied
-    value = f'inline;sae="{resolved.sae_id}";layer={resolved.layer};features={len(applied.features)};hash="{applied.hash}"'
-    return value + (f";clamped={applied.clamped}" if applied.clamped else "")

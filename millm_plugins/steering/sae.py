@@ -102,6 +102,15 @@ def _validate(path: str, arrays: dict[str, np.ndarray], architecture: str, k: in
 
 def load_sae(path: str) -> SAE:
     """Load an SAE from a SAELens directory or a Gemma Scope ``params.npz``."""
+    try:
+        return _load(path)
+    except SAEFormatError:
+        raise
+    except Exception as exc:  # a user's file: unreadable, a NUL in the path, malformed JSON or tensors
+        raise SAEFormatError(f"{path!r}: cannot read an SAE there ({exc})", param="path") from exc
+
+
+def _load(path: str) -> SAE:
     if os.path.isdir(path):
         cfg_path = os.path.join(path, "cfg.json")
         weights = os.path.join(path, "sae_weights.safetensors")

@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from millm_core.config import load_settings
+from millm_core.server.app import build_host
+
 D_SAE = 48
 
 
@@ -70,8 +73,12 @@ def test_registrations_survive_a_restart(make_server, tiny_engine, tmp_path: pat
         assert [(s["id"], s["path"], s["attached_layers"]) for s in listed] == [("kept", path, [])]  # attachments are runtime state
 
 
-@pytest.mark.parametrize("field", [("profile", "p"), ("steering_intensity", 0.5)])
-def test_profiles_and_intensity_stay_refused(server, field) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("field", [("steering", {"features": []}), ("profile", "p"), ("steering_intensity", 0.5)])
+def test_steering_fields_are_refused_without_the_plugin(make_server, field) -> None:  # type: ignore[no-untyped-def]
     name, value = field
-    resp = httpx.post(server.base_url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], name: value})
-    assert resp.status_code == 400 and resp.json()["error"]["code"] == "field_not_honoured" and resp.json()["error"]["param"] == name
+    host = build_host(load_settings({"plugins": ("sampling",)}, environ={}))
+    with make_server(host=host) as srv:
+        resp = httpx.post(srv.base_url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], name: value})
+        assert httpx.get(srv.base_url + "/api/saes").status_code == 404  # no management API either
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["code"] == "field_not_honoured" and resp.json()["error"]["param"] == name

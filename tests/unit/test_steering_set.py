@@ -66,6 +66,8 @@ def test_zeros_change_nothing(features: dict[int, float]) -> None:
     assert base.hash == padded.hash
 
 
-def test_non_finite_strength_is_refused() -> None:
+def test_nan_is_refused_and_an_overflowed_product_clamps_and_counts() -> None:
     with pytest.raises(ValueError):
         AppliedSet.build("s", [(1, float("nan"))])
+    overflowed = AppliedSet.build("s", [(1, 1e308 * 2.0), (2, -1e308 * 2.0)])  # stored × λ past binary64's range
+    assert overflowed.features == ((1, 200.0), (2, -200.0)) and overflowed.clamped == 2

@@ -1,0 +1,244 @@
+"""The steering management API, part 1: SAEs (``/api/saes``) and the live manual values
+(``/api/steering``). Errors use the ``/v1`` error shape and statuses.
+
+Every write to the live state (attach, detach, manual values) moves the steering epoch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from millm_core.codec import convert, decode_json, encode
+from millm_core.engine import Capability
+from millm_core.errors import FieldNotHonoured, InvalidRequest, ModelNotLoaded
+from millm_core.openapi import RouteDoc
+from millm_core.server.routes.common import app_state, read_body
+
+from .apply import Dials, plan_for, report
+from .inline import Feature
+from .profiles import check_features
+from .registry import SteeringState
+from .sae import SAE
+
+STATE_KEY = "steering"
+FLOOR = "cluster_intensity_min"
+CEILING = "cluster_intensity_max"
+
+
+class RegisterSAE(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /api/saes``: a SAELens directory or a Gemma Scope ``params.npz``."""
+
+    path: str
+    id: str | None = None
+
+
+class AttachSAE(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /api/saes/{id}/attach`` and ``…/detach`` (detach without a layer: all)."""
+
+    layer: int | None = None
+
+
+class SAEInfo(msgspec.Struct, kw_only=True):
+    """An SAE as the API reports it."""
+
+    id: str
+    path: str
+    architecture: str
+    d_in: int
+    d_sae: int
+    attached_layers: list[int]
+
+
+class SAEList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[SAEInfo]
+
+
+class SAEDeleted(msgspec.Struct, kw_only=True):
+    id: str
+    deleted: bool
+
+
+class SAEDetached(SAEInfo, kw_only=True):
+    """The SAE after ``detach``; ``detached`` counts the attachments removed."""
+
+    detached: int
+
+
+class ManualValues(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``PUT /api/steering``: the live values for one attached SAE (``sae_id`` may be
+    omitted when exactly one SAE is attached; ``layer`` when it is attached once).
+    ``features: []`` clears that SAE's values."""
+
+    sae_id: str | None = None
+    layer: int | None = None
+    features: list[Feature]
+
+
+class ManualEntry(msgspec.Struct, kw_only=True):
+    sae_id: str
+    layer: int
+    features: list[Feature]
+
+
+class ActiveProfile(msgspec.Struct, kw_only=True):
+    name: str
+    sae_id: str
+    layer: int
+
+
+class LiveState(msgspec.Struct, kw_only=True):
+    """``GET /api/steering``: what a request with no steering fields runs with now."""
+
+    epoch: int
+    attached: list[tuple[str, int]]
+    manual: list[ManualEntry]
+    active_profile: ActiveProfile | None
+    steering: str  # the X-miLLM-Steering value such a request would report
+
+
+def state_of(app: Any) -> SteeringState:
+    """The app's steering state (created on first use; it migrates the database)."""
+    state = app.extra.get(STATE_KEY)
+    if state is None:
+        state = app.extra[STATE_KEY] = SteeringState(store=app.store)
+    assert isinstance(state, SteeringState)
+    return state
+
+
+def dials_of(app: Any) -> Dials:
+    return Dials(floor=float(app.settings.plugin(FLOOR)), ceiling=float(app.settings.plugin(CEILING)))
+
+
+def steering_state(request: Request) -> SteeringState:
+    return state_of(app_state(request))
+
+
+async def body_of(request: Request, type_: type[Any]) -> Any:
+    raw = await read_body(request, app_state(request).settings.max_body_bytes)
+    return convert(decode_json(raw or b"{}"), type_)
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(encode(obj), status_code=status, media_type="application/json")
+
+
+def _info(state: SteeringState, sae_id: str, path: str, sae: SAE) -> SAEInfo:
+    return SAEInfo(id=sae_id, path=path, architecture=sae.architecture, d_in=sae.d_in, d_sae=sae.d_sae, attached_layers=state.layers_of(sae_id))
+
+
+async def register_sae(request: Request) -> Response:
+    body = await body_of(request, RegisterSAE)
+    state = steering_state(request)
+    sae_id, sae = state.register(body.path, body.id)
+    return json_response(_info(state, sae_id, body.path, sae), status=201)
+
+
+async def list_saes(request: Request) -> Response:
+    state = steering_state(request)
+    return json_response(SAEList(data=[_info(state, i, p, state.get(i)) for i, p in state.registered()]))
+
+
+async def get_sae(request: Request) -> Response:
+    state = steering_state(request)
+    sae_id = request.path_params["sae_id"]
+    sae = state.get(sae_id)
+    return json_response(_info(state, sae_id, sae.path, sae))
+
+
+async def delete_sae(request: Request) -> Response:
+    state = steering_state(request)
+    state.delete(request.path_params["sae_id"])
+    return json_response(SAEDeleted(id=request.path_params["sae_id"], deleted=True))
+
+
+async def attach_sae(request: Request) -> Response:
+    body = await body_of(request, AttachSAE)
+    state, app = steering_state(request), app_state(request)
+    model = next(iter(app.models), None)
+    if model is None:
+        raise ModelNotLoaded("an SAE attaches to the resident model, and none is loaded yet")
+    if Capability.STEERING not in model.capabilities:
+        raise FieldNotHonoured(f"the {model.info.engine} engine serving {model.info.served_name!r} cannot be steered", param="layer")
+    if body.layer is None:
+        raise InvalidRequest("attach needs a layer", param="layer")
+    sae_id = request.path_params["sae_id"]
+    state.attach(sae_id, body.layer, model.info.d_model, model.info.n_layers)
+    sae = state.get(sae_id)
+    return json_response(_info(state, sae_id, sae.path, sae))
+
+
+async def detach_sae(request: Request) -> Response:
+    body = await body_of(request, AttachSAE)
+    state = steering_state(request)
+    sae_id = request.path_params["sae_id"]
+    sae = state.get(sae_id)
+    removed = state.detach(sae_id, body.layer)
+    info = _info(state, sae_id, sae.path, sae)
+    return json_response(SAEDetached(**msgspec.structs.asdict(info), detached=removed))
+
+
+class _NoFields:
+    """A request that sends no steering fields: it runs with the global state."""
+
+    steering = profile = steering_intensity = None
+
+
+def live_state(request: Request) -> LiveState:
+    state, app = steering_state(request), app_state(request)
+    manual = [ManualEntry(sae_id=s, layer=layer, features=[Feature(index=i, strength=v) for i, v in sorted(values.items())]) for (s, layer), values in state.manual.items()]
+    active = ActiveProfile(name=state.active[0], sae_id=state.active[1][0], layer=state.active[1][1]) if state.active else None
+    value = report(plan_for(_NoFields(), state, state.book, dials_of(app)), changed=False)
+    return LiveState(epoch=state.epoch, attached=list(state.attachments), manual=manual, active_profile=active, steering=value)
+
+
+async def get_steering(request: Request) -> Response:
+    return json_response(live_state(request))
+
+
+async def put_steering(request: Request) -> Response:
+    body = await body_of(request, ManualValues)
+    state = steering_state(request)
+    sae_id = body.sae_id
+    if sae_id is None:
+        saes = sorted({s for s, _ in state.attachments})
+        if len(saes) != 1:
+            raise InvalidRequest(f"name the SAE with sae_id: {len(saes)} SAEs are attached {saes}", param="sae_id")
+        sae_id = saes[0]
+    entry = state.entry(sae_id, body.layer)
+    check_features(body.features, state.get(sae_id).d_sae)
+    if body.features:
+        state.manual[entry] = {f.index: f.strength for f in body.features}
+    else:
+        state.manual.pop(entry, None)
+    if state.active is not None and state.active[1] == entry:
+        state.active = None  # the operator's latest write wins the entry the profile held
+    state.bump()
+    return json_response(live_state(request))
+
+
+async def delete_steering(request: Request) -> Response:
+    state = steering_state(request)
+    state.manual.clear()
+    state.active = None
+    state.bump()
+    return json_response(live_state(request))
+
+
+Route = tuple[str, Any, list[str], RouteDoc]
+
+ROUTES: tuple[Route, ...] = (
+    ("/api/saes", register_sae, ["POST"], RouteDoc("Register an SAE from local files", RegisterSAE, SAEInfo, 201, ("400", "409"))),
+    ("/api/saes", list_saes, ["GET"], RouteDoc("Registered SAEs", response=SAEList, errors=())),
+    ("/api/saes/{sae_id}", get_sae, ["GET"], RouteDoc("One SAE", response=SAEInfo, errors=("404",))),
+    ("/api/saes/{sae_id}", delete_sae, ["DELETE"], RouteDoc("Forget an SAE (detaching it everywhere)", response=SAEDeleted, errors=("404",))),
+    ("/api/saes/{sae_id}/attach", attach_sae, ["POST"], RouteDoc("Attach at a decoder block's output", AttachSAE, SAEInfo, errors=("400", "404", "503"))),
+    ("/api/saes/{sae_id}/detach", detach_sae, ["POST"], RouteDoc("Detach (at one layer, or all)", AttachSAE, SAEDetached)),
+    ("/api/steering", get_steering, ["GET"], RouteDoc("The live steering state", response=LiveState, errors=())),
+    ("/api/steering", put_steering, ["PUT"], RouteDoc("Set the manual values of one attached SAE", ManualValues, LiveState)),
+    ("/api/steering", delete_steering, ["DELETE"], RouteDoc("Clear manual values and deactivate the active profile", response=LiveState, errors=())),
+)

@@ -1,0 +1,305 @@
+"""The steering management API, part 2: profiles (``/api/profiles``) and imported
+clusters with their intensity dial (``/api/clusters``).
+
+Profiles and clusters persist in the database; which one is active is the running server's
+state. Activating, deactivating, deleting the active one and turning an active cluster's
+dial move the steering epoch.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from millm_core.codec import convert, decode_json
+from millm_core.errors import InvalidRequest, MillmError, NotFound
+from millm_core.openapi import RouteDoc
+from millm_core.server.routes.common import app_state, read_body
+
+from .api import LiveState, Route, body_of, dials_of, json_response, live_state, steering_state
+from .apply import profile_entry
+from .inline import Feature, SAENotAttached
+from .intensity import bounds
+from .profiles import (
+    EXPORT_FORMAT,
+    ClusterDocument,
+    Dial,
+    Profile,
+    ProfileExists,
+    ProfileExport,
+    check_dial,
+    check_features,
+    check_name,
+    cluster_profile,
+)
+from .registry import SteeringState
+
+
+class ProfileInfo(msgspec.Struct, kw_only=True):
+    """A profile as the API reports it (clusters add their dial)."""
+
+    name: str
+    sae_id: str
+    layer: int
+    features: list[Feature]
+    active: bool
+    cluster: Dial | None = None
+
+
+class ProfileList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[ProfileInfo]
+
+
+class ProfileDeleted(msgspec.Struct, kw_only=True):
+    name: str
+    deleted: bool
+
+
+class ActiveInfo(msgspec.Struct, kw_only=True):
+    active: ProfileInfo | None
+
+
+class Imported(msgspec.Struct, kw_only=True):
+    imported: list[str]
+
+
+class ClusterImported(ProfileInfo, kw_only=True):
+    """The cluster's profile, and the document's fields it did not use."""
+
+    ignored_fields: list[str]
+
+
+class Intensity(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``PUT /api/clusters/{id}/intensity``."""
+
+    intensity: float
+
+
+def _info(state: SteeringState, profile: Profile) -> ProfileInfo:
+    active = state.active is not None and state.active[0] == profile.name
+    return ProfileInfo(name=profile.name, sae_id=profile.sae_id, layer=profile.layer, features=list(profile.features), active=active, cluster=profile.cluster)
+
+
+def _validate(state: SteeringState, profile: Profile) -> None:
+    check_name(profile.name)
+    if profile.layer < 0:
+        raise InvalidRequest("layer must be ≥ 0", param="layer")
+    try:
+        sae = state.get(profile.sae_id)
+    except NotFound as exc:
+        exc.param = "sae_id"
+        raise
+    check_features(profile.features, sae.d_sae)
+
+
+def _replace(request: Request) -> bool:
+    return request.query_params.get("replace", "false").lower() in ("1", "true", "yes")
+
+
+def _activate(request: Request, profile: Profile) -> Response:
+    state = steering_state(request)
+    profile_entry(profile, "active", None, state, dials_of(app_state(request)))  # refuses what could not apply
+    entry = (profile.sae_id, profile.layer)
+    state.manual.pop(entry, None)  # the profile claims its entry
+    state.active = (profile.name, entry)
+    state.bump()
+    return json_response(live_state(request))
+
+
+def _deactivate(request: Request, only: str | None = None) -> Response:
+    state = steering_state(request)
+    if state.active is not None and (only is None or state.active[0] == only):
+        state.active = None
+        state.bump()
+    return json_response(live_state(request))
+
+
+def _delete(request: Request, name: str) -> Response:
+    state = steering_state(request)
+    state.book.delete(name)
+    if state.active is not None and state.active[0] == name:
+        state.active = None
+        state.bump()
+    return json_response(ProfileDeleted(name=name, deleted=True))
+
+
+# ------------------------------------------------------------------ profiles
+
+
+async def create_profile(request: Request) -> Response:
+    body = await body_of(request, Profile)
+    if body.cluster is not None:
+        raise InvalidRequest("clusters are created with POST /api/clusters/import", param="cluster")
+    state = steering_state(request)
+    _validate(state, body)
+    state.book.add(body)
+    return json_response(_info(state, body), status=201)
+
+
+async def list_profiles(request: Request) -> Response:
+    state = steering_state(request)
+    return json_response(ProfileList(data=[_info(state, p) for p in state.book.all()]))
+
+
+async def get_profile(request: Request) -> Response:
+    state = steering_state(request)
+    return json_response(_info(state, state.book.get(request.path_params["name"])))
+
+
+async def delete_profile(request: Request) -> Response:
+    return _delete(request, request.path_params["name"])
+
+
+async def activate_profile(request: Request) -> Response:
+    return _activate(request, steering_state(request).book.get(request.path_params["name"]))
+
+
+async def deactivate_profile(request: Request) -> Response:
+    return _deactivate(request)
+
+
+async def active_profile(request: Request) -> Response:
+    state = steering_state(request)
+    return json_response(ActiveInfo(active=_info(state, state.book.get(state.active[0])) if state.active else None))
+
+
+async def export_all(request: Request) -> Response:
+    return json_response(ProfileExport(profiles=steering_state(request).book.all()))
+
+
+async def export_one(request: Request) -> Response:
+    return json_response(ProfileExport(profiles=[steering_state(request).book.get(request.path_params["name"])]))
+
+
+async def import_profiles(request: Request) -> Response:
+    """Import an export document; every profile is checked before any is written.
+    ``?replace=true`` overwrites profiles of the same name."""
+    body = await body_of(request, ProfileExport)
+    if body.format != EXPORT_FORMAT:
+        raise InvalidRequest(f"format {body.format!r} is not {EXPORT_FORMAT}", param="format")
+    state = steering_state(request)
+    for position, profile in enumerate(body.profiles):
+        try:
+            _validate(state, profile)
+            if profile.cluster is not None:
+                check_dial(profile.cluster, param="cluster")
+        except MillmError as exc:
+            exc.param = f"profiles[{position}].{exc.param}" if exc.param else f"profiles[{position}]"
+            raise
+    names = [p.name for p in body.profiles]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("the document names a profile twice", param="profiles")
+    replace = _replace(request)
+    if not replace:
+        existing = [n for n in names if n in {p.name for p in state.book.all()}]
+        if existing:
+            raise ProfileExists(f"profiles {existing} exist; import with ?replace=true to overwrite", param="profiles")
+    for profile in body.profiles:
+        state.book.add(profile, replace=True)
+    return json_response(Imported(imported=names), status=201)
+
+
+# ------------------------------------------------------------------ clusters
+
+
+def _cluster(state: SteeringState, name: str) -> Profile:
+    try:
+        profile = state.book.get(name)
+    except NotFound:
+        profile = None
+    if profile is None or profile.cluster is None:
+        raise NotFound(f"no cluster named {name!r}", code="cluster_not_found", param="id")
+    return profile
+
+
+async def import_cluster(request: Request) -> Response:
+    """A cluster-definition document becomes a profile bound to the SAE attached at
+    ``sae.layer`` whose width is ``sae.n_features``."""
+    raw = decode_json(await read_body(request, app_state(request).settings.max_body_bytes) or b"{}")
+    doc = convert(raw, ClusterDocument)
+    state = steering_state(request)
+    candidates = [s for s, layer in state.attachments if layer == doc.sae.layer and state.get(s).d_sae == doc.sae.n_features]
+    if not candidates:
+        attached = [(s, layer, state.get(s).d_sae) for s, layer in state.attachments]
+        raise SAENotAttached(
+            f"the cluster needs an SAE of width {doc.sae.n_features} attached at layer {doc.sae.layer}; attached (id, layer, width): {attached}",
+            param="sae",
+        )
+    if len(candidates) > 1:
+        raise InvalidRequest(f"several SAEs of width {doc.sae.n_features} are attached at layer {doc.sae.layer}: {candidates}", param="sae")
+    check_name(doc.name)
+    profile = cluster_profile(doc, candidates[0])
+    state.book.add(profile, replace=_replace(request))
+    known = {"name", "sae", "members", "budget"}
+    ignored = sorted(k for k in raw if k not in known) if isinstance(raw, dict) else []
+    return json_response(ClusterImported(**msgspec.structs.asdict(_info(state, profile)), ignored_fields=ignored), status=201)
+
+
+async def list_clusters(request: Request) -> Response:
+    state = steering_state(request)
+    return json_response(ProfileList(data=[_info(state, p) for p in state.book.all() if p.cluster is not None]))
+
+
+async def get_cluster(request: Request) -> Response:
+    state = steering_state(request)
+    return json_response(_info(state, _cluster(state, request.path_params["name"])))
+
+
+async def set_intensity(request: Request) -> Response:
+    """Set the persistent dial: a number in [0, max], max being the declared range's top
+    (or the configured ceiling) within [0, 2]."""
+    body = await body_of(request, Intensity)
+    state, name = steering_state(request), request.path_params["name"]
+    cluster = _cluster(state, name)
+    assert cluster.cluster is not None
+    dials = dials_of(app_state(request))
+    _, high = bounds(cluster.cluster.intensity_range, dials.floor, dials.ceiling)
+    if isinstance(body.intensity, bool) or not 0.0 <= body.intensity <= high:
+        raise InvalidRequest(f"intensity must be a number in [0, {high}] for cluster {name!r}", param="intensity")
+    updated = state.book.set_intensity(name, float(body.intensity))
+    if state.active is not None and state.active[0] == name:
+        state.bump()
+    return json_response(_info(state, updated))
+
+
+async def activate_cluster(request: Request) -> Response:
+    return _activate(request, _cluster(steering_state(request), request.path_params["name"]))
+
+
+async def deactivate_cluster(request: Request) -> Response:
+    name = request.path_params["name"]
+    _cluster(steering_state(request), name)
+    return _deactivate(request, only=name)
+
+
+async def delete_cluster(request: Request) -> Response:
+    name = request.path_params["name"]
+    _cluster(steering_state(request), name)
+    return _delete(request, name)
+
+
+# Fixed paths before the {name} ones: "active", "deactivate", "export" and "import" are
+# reserved profile names for that reason.
+E404 = ("404",)
+PROFILE = RouteDoc("One profile", response=ProfileInfo, errors=E404)
+ROUTES: tuple[Route, ...] = (
+    ("/api/profiles", create_profile, ["POST"], RouteDoc("Save a profile", Profile, ProfileInfo, 201, ("400", "404", "409"))),
+    ("/api/profiles", list_profiles, ["GET"], RouteDoc("Saved profiles (clusters included)", response=ProfileList, errors=())),
+    ("/api/profiles/active", active_profile, ["GET"], RouteDoc("The active profile", response=ActiveInfo, errors=())),
+    ("/api/profiles/deactivate", deactivate_profile, ["POST"], RouteDoc("Deactivate the active profile", response=LiveState, errors=())),
+    ("/api/profiles/export", export_all, ["GET"], RouteDoc("Export every profile", response=ProfileExport, errors=())),
+    ("/api/profiles/import", import_profiles, ["POST"], RouteDoc("Import an export document", ProfileExport, Imported, 201, ("400", "404", "409"))),
+    ("/api/profiles/{name}", get_profile, ["GET"], PROFILE),
+    ("/api/profiles/{name}", delete_profile, ["DELETE"], RouteDoc("Delete a profile", response=ProfileDeleted, errors=E404)),
+    ("/api/profiles/{name}/activate", activate_profile, ["POST"], RouteDoc("Activate a profile for every request", response=LiveState)),
+    ("/api/profiles/{name}/export", export_one, ["GET"], RouteDoc("Export one profile", response=ProfileExport, errors=E404)),
+    ("/api/clusters/import", import_cluster, ["POST"], RouteDoc("Import a cluster-definition document", ClusterDocument, ClusterImported, 201, ("400", "409"))),
+    ("/api/clusters", list_clusters, ["GET"], RouteDoc("Imported clusters", response=ProfileList, errors=())),
+    ("/api/clusters/{name}", get_cluster, ["GET"], RouteDoc("One cluster", response=ProfileInfo, errors=E404)),
+    ("/api/clusters/{name}", delete_cluster, ["DELETE"], RouteDoc("Delete a cluster", response=ProfileDeleted, errors=E404)),
+    ("/api/clusters/{name}/intensity", set_intensity, ["PUT"], RouteDoc("Set the cluster's persistent dial", Intensity, ProfileInfo)),
+    ("/api/clusters/{name}/activate", activate_cluster, ["POST"], RouteDoc("Activate a cluster", response=LiveState)),
+    ("/api/clusters/{name}/deactivate", deactivate_cluster, ["POST"], RouteDoc("Deactivate the cluster if it is active", response=LiveState, errors=E404)),
+)

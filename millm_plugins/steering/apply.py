@@ -1,0 +1,173 @@
+"""What one request is steered with, and the ``X-miLLM-Steering`` value that reports it.
+
+A request's steering is decided once, before its rows are built, and carried by those rows
+alone (the global state is never written for a request):
+
+- inline ``steering``: exactly that set on the named SAE; ``features: []`` is unsteered;
+- ``profile``: that profile replaces the global state for the request (``source=request``);
+- otherwise the global state: the active profile (``source=active``) and the manual values;
+- ``steering_intensity`` scales the base (the request's profile, else the active profile,
+  else the manual values); 0 / ``"off"`` turns everything off without validating the base.
+
+Report members are ordered by layer, then SAE; ``changed`` is added to every member when
+the steering epoch moved between admission and the end of generation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from millm_core.errors import MillmError
+from millm_core.steering import AppliedSet
+
+from . import inline
+from .inline import SAENotAttached
+from .intensity import Intensity, is_off
+from .intensity import parse as parse_intensity
+from .intensity import resolve as resolve_intensity
+from .profiles import Profile, ProfileBook, check_features
+from .registry import SteeringState
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One applied steering item: its kind (``inline``/``profile``/``manual``), where it
+    applies and its applied set; profiles add their name, source and λ."""
+
+    kind: str
+    sae_id: str
+    layer: int
+    applied: AppliedSet
+    name: str | None = None
+    source: str | None = None
+    intensity: float | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A request's steering: the non-empty entries, the epoch it was decided at, and the
+    λ to echo in ``X-miLLM-Steering-Intensity`` (None: the dial changes nothing)."""
+
+    entries: tuple[Entry, ...] = ()
+    epoch: int = 0
+    echo: float | None = None
+    unknown: str | None = None  # the state could not be determined (reported, never guessed)
+
+
+@dataclass(frozen=True)
+class Dials:
+    """The configured floor and ceiling for bases that declare no range."""
+
+    floor: float
+    ceiling: float
+
+
+def _sent(value: Any) -> bool:
+    return value is not None and value is not msgspec.UNSET
+
+
+def profile_entry(profile: Profile, source: str, dial: Intensity | None, state: SteeringState, dials: Dials) -> Entry:
+    """A profile applied at its (SAE, layer), scaled by λ: the request's dial if given,
+    else the profile's own (a cluster's stored dial; 1 for a plain profile)."""
+    if (profile.sae_id, profile.layer) not in state.attachments:
+        raise SAENotAttached(
+            f"profile {profile.name!r} steers SAE {profile.sae_id!r} at layer {profile.layer}, which is not attached", param="profile"
+        )
+    check_features(profile.features, state.get(profile.sae_id).d_sae, prefix="profile.features")
+    declared = profile.cluster.intensity_range if profile.cluster else None
+    lam = profile.intensity if dial is None else resolve_intensity(dial, declared, dials.floor, dials.ceiling)
+    applied = AppliedSet.build(profile.sae_id, [(f.index, f.strength * lam) for f in profile.features])
+    return Entry("profile", profile.sae_id, profile.layer, applied, name=profile.name, source=source, intensity=lam)
+
+
+def _manual(state: SteeringState, lam: float) -> list[Entry]:
+    return [
+        Entry("manual", sae_id, layer, AppliedSet.build(sae_id, [(i, s * lam) for i, s in values.items()]))
+        for (sae_id, layer), values in state.manual.items()
+    ]
+
+
+def plan_for(request: Any, state: SteeringState, book: ProfileBook, dials: Dials) -> Plan:
+    """Decide a validated request's steering. Raises the request's 4xx (unknown profile,
+    profile invalid for the attached SAE, bad inline set)."""
+    epoch = state.epoch
+    if _sent(request.steering):
+        steering, _ = inline.parse(request.steering)
+        assert steering is not None  # validated
+        saes = {sae_id: state.get(sae_id) for sae_id, _ in state.attachments}
+        resolved = inline.resolve(steering, state.attachments, saes)
+        if resolved is None:
+            return Plan(epoch=epoch)
+        return Plan(entries=_nonempty([Entry("inline", resolved.sae_id, resolved.layer, resolved.applied)]), epoch=epoch)
+    dial: Intensity | None = None
+    if _sent(request.steering_intensity):
+        dial, _ = parse_intensity(request.steering_intensity)
+    if _sent(request.profile):
+        profile = book.get(request.profile)  # unknown: 404 before anything else
+        if not state.attachments:
+            return Plan(epoch=epoch)  # nothing to steer with: runs unsteered, no echo
+        if dial is not None and is_off(dial):
+            return Plan(epoch=epoch, echo=0.0 if profile.features else None)
+        entry = profile_entry(profile, "request", dial, state, dials)
+        return Plan(entries=_nonempty([entry]), epoch=epoch, echo=entry.intensity if dial is not None and entry.applied.features else None)
+    try:
+        active = book.get(state.active[0]) if state.active else None
+        if active is not None:
+            profile_entry(active, "active", None, state, dials)
+    except MillmError:  # deleted or no longer valid underneath: say so, never guess
+        return Plan(epoch=epoch, unknown="profile_unreadable")
+    if dial is None:
+        entries = ([profile_entry(active, "active", None, state, dials)] if active else []) + _manual(state, 1.0)
+        return Plan(entries=_nonempty(entries), epoch=epoch)
+    base_empty = not (active.features if active else any(state.manual.values()))
+    if is_off(dial):
+        return Plan(epoch=epoch, echo=None if base_empty else 0.0)
+    if active:
+        entry = profile_entry(active, "active", dial, state, dials)
+        entries, lam = [entry, *_manual(state, 1.0)], entry.intensity
+    else:
+        lam = resolve_intensity(dial, None, dials.floor, dials.ceiling)
+        entries = _manual(state, lam)
+    return Plan(entries=_nonempty(entries), epoch=epoch, echo=None if base_empty else lam)
+
+
+def _nonempty(entries: list[Entry]) -> tuple[Entry, ...]:
+    return tuple(sorted((e for e in entries if e.applied.features), key=lambda e: (e.layer, e.sae_id)))
+
+
+def deltas(plan: Plan, state: SteeringState) -> dict[int, tuple[float, ...]]:
+    """layer → Σ strength · W_dec[index] over the plan's entries at that layer."""
+    out: dict[int, Any] = {}
+    for entry in plan.entries:
+        direction = state.get(entry.sae_id).direction(entry.applied.features)
+        out[entry.layer] = direction if entry.layer not in out else out[entry.layer] + direction
+    return {layer: tuple(float(v) for v in vector) for layer, vector in out.items()}
+
+
+def percent_encode(name: str) -> str:
+    """The spec's encoding for ``name``: bytes outside %x20-7E and each of % " \\ as %XX."""
+    return "".join(chr(b) if 0x20 <= b <= 0x7E and chr(b) not in '%"\\' else f"%{b:02X}" for b in name.encode("utf-8"))
+
+
+def _member(entry: Entry) -> str:
+    applied = entry.applied
+    head = entry.kind
+    if entry.kind == "profile":
+        assert entry.name is not None and entry.intensity is not None
+        head += f';name="{percent_encode(entry.name)}";source={entry.source};intensity="{entry.intensity!r}"'
+    value = f'{head};sae="{entry.sae_id}";layer={entry.layer};features={len(applied.features)};hash="{applied.hash}"'
+    if applied.clamped:  # manual values too: a dialled manual set can reach the clamp
+        value += f";clamped={applied.clamped}"
+    return value
+
+
+def report(plan: Plan, changed: bool) -> str:
+    """The ``X-miLLM-Steering`` value (an RFC 8941 List) for what the rows ran with."""
+    if plan.unknown:
+        members = [f"unknown;reason={plan.unknown}"]
+    else:
+        members = [_member(e) for e in plan.entries] or ["none"]
+    return ", ".join(m + (";changed" if changed else "") for m in members)

@@ -1,0 +1,190 @@
+"""Saved steering profiles and imported clusters, persisted in the server's database.
+
+A profile is a named feature set for one SAE at one layer. A cluster is a profile imported
+from a cluster-definition document: its members' strengths are the profile's features, and
+it carries an intensity dial λ (persisted, set with ``PUT /api/clusters/{id}/intensity``)
+and the range its author declared. Applied strengths are ``clamp(stored × λ)``; a plain
+profile's λ is 1.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import msgspec
+
+from millm_core.errors import InvalidRequest, MillmError, NotFound
+from millm_core.store import Store
+
+from .inline import Feature, InvalidFeatureIndex
+
+# Names the routes use for their own paths under /api/profiles.
+RESERVED_NAMES = frozenset({"active", "deactivate", "export", "import"})
+DIAL_ENVELOPE = (0.0, 2.0)
+EXPORT_FORMAT = "millm.profile/v1"
+
+
+class ProfileExists(MillmError):
+    status = 409
+    type = "invalid_request_error"
+    code = "profile_exists"
+
+
+class ProfileNotFound(NotFound):
+    code = "profile_not_found"
+
+
+class Dial(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A cluster's intensity dial: the persisted λ and the author's declared range."""
+
+    intensity: float = 1.0
+    intensity_range: tuple[float, float] | None = None
+
+
+class Profile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /api/profiles``: a named feature set for ``sae_id`` at ``layer``. Imported
+    clusters also carry ``cluster`` (their dial); plain profiles have none."""
+
+    name: str
+    sae_id: str
+    layer: int
+    features: list[Feature]
+    cluster: Dial | None = None
+
+    @property
+    def intensity(self) -> float:
+        return self.cluster.intensity if self.cluster else 1.0
+
+
+class ProfileExport(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The export document: profiles (clusters included) as JSON, read back by import."""
+
+    format: str = EXPORT_FORMAT
+    profiles: list[Profile]
+
+
+class ClusterSAE(msgspec.Struct, kw_only=True):
+    layer: int
+    n_features: int
+
+
+class ClusterMember(msgspec.Struct, kw_only=True):
+    feature_idx: int
+    strength: float
+    sign: int | str | None = None
+
+
+class ClusterBudget(msgspec.Struct, kw_only=True):
+    intensity: float = 1.0
+    intensity_range: tuple[float, float] | None = None
+
+
+class ClusterDocument(msgspec.Struct, kw_only=True):
+    """A cluster-definition document (``POST /api/clusters/import``). Fields it carries
+    beyond these are kept out of the profile and listed in the import response."""
+
+    name: str
+    sae: ClusterSAE
+    members: list[ClusterMember]
+    budget: ClusterBudget = msgspec.field(default_factory=ClusterBudget)
+
+
+def _finite(value: float, param: str) -> None:
+    if not math.isfinite(value):
+        raise InvalidRequest("must be a finite number", param=param)
+
+
+def check_name(name: str) -> None:
+    if not 1 <= len(name) <= 128 or any(ord(c) < 0x20 or ord(c) == 0x7F for c in name) or "/" in name:
+        raise InvalidRequest("a profile name is 1–128 characters, without control characters or '/'", param="name")
+    if name in RESERVED_NAMES:
+        raise InvalidRequest(f"{name!r} is reserved by the profile routes; choose another name", param="name")
+
+
+def check_features(features: list[Feature], d_sae: int, prefix: str = "features") -> None:
+    """Indexes in ``[0, d_sae)`` and listed once; strengths finite."""
+    seen: set[int] = set()
+    for position, feature in enumerate(features):
+        if not 0 <= feature.index < d_sae:
+            raise InvalidFeatureIndex(f"feature index {feature.index} is outside [0, {d_sae})", param=f"{prefix}[{position}].index")
+        if feature.index in seen:
+            raise InvalidRequest(f"feature index {feature.index} is listed twice", param=f"{prefix}[{position}].index")
+        seen.add(feature.index)
+        _finite(feature.strength, f"{prefix}[{position}].strength")
+
+
+def check_dial(dial: Dial, param: str = "budget") -> None:
+    _finite(dial.intensity, f"{param}.intensity")
+    low, high = DIAL_ENVELOPE
+    if dial.intensity_range is not None:
+        lo, hi = dial.intensity_range
+        _finite(lo, f"{param}.intensity_range")
+        _finite(hi, f"{param}.intensity_range")
+        if not 0.0 <= lo <= hi:
+            raise InvalidRequest(f"intensity_range must be [low, high] with 0 ≤ low ≤ high; got [{lo}, {hi}]", param=f"{param}.intensity_range")
+    if not low <= dial.intensity <= high:
+        raise InvalidRequest(f"intensity must be in [{low}, {high}]", param=f"{param}.intensity")
+
+
+def _sign(member: ClusterMember, position: int) -> float:
+    signs: dict[Any, float] = {None: 1.0, 1: 1.0, -1: -1.0, "+": 1.0, "-": -1.0, "positive": 1.0, "negative": -1.0}
+    if isinstance(member.sign, bool) or member.sign not in signs:
+        raise InvalidRequest("sign is 1, -1, '+', '-', 'positive' or 'negative'", param=f"members[{position}].sign")
+    return signs[member.sign]
+
+
+def cluster_profile(doc: ClusterDocument, sae_id: str) -> Profile:
+    """The profile a cluster document becomes: member strength × sign per feature (a
+    ``sign`` with a negative strength flips it, as written)."""
+    features = [Feature(index=m.feature_idx, strength=m.strength * _sign(m, i)) for i, m in enumerate(doc.members)]
+    check_features(features, doc.sae.n_features, prefix="members")
+    dial = Dial(intensity=doc.budget.intensity, intensity_range=doc.budget.intensity_range)
+    check_dial(dial)
+    return Profile(name=doc.name, sae_id=sae_id, layer=doc.sae.layer, features=features, cluster=dial)
+
+
+def _decode(body: object) -> Profile:
+    assert isinstance(body, bytes)
+    return msgspec.msgpack.decode(body, type=Profile)
+
+
+class ProfileBook:
+    """Profiles in the ``profiles`` table (one msgpack body per name)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def add(self, profile: Profile, *, replace: bool = False) -> None:
+        check_name(profile.name)
+        with self.store.transaction() as conn:
+            exists = conn.execute("SELECT 1 FROM profiles WHERE name = ?", (profile.name,)).fetchone()
+            if exists and not replace:
+                raise ProfileExists(f"a profile named {profile.name!r} exists (delete it first, or import with replace)", param="name")
+            conn.execute(
+                "INSERT INTO profiles (name, body, created) VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE SET body = excluded.body",
+                (profile.name, msgspec.msgpack.encode(profile), time.time()),
+            )
+
+    def get(self, name: str) -> Profile:
+        rows = self.store.query("SELECT body FROM profiles WHERE name = ?", (name,))
+        if not rows:
+            raise ProfileNotFound(f"no profile named {name!r}", param="profile")
+        return _decode(rows[0][0])
+
+    def all(self) -> list[Profile]:
+        return [_decode(body) for (body,) in self.store.query("SELECT body FROM profiles ORDER BY name")]
+
+    def delete(self, name: str) -> None:
+        self.get(name)
+        with self.store.transaction() as conn:
+            conn.execute("DELETE FROM profiles WHERE name = ?", (name,))
+
+    def set_intensity(self, name: str, intensity: float) -> Profile:
+        profile = self.get(name)
+        if profile.cluster is None:
+            raise NotFound(f"{name!r} is a profile, not a cluster", code="cluster_not_found", param="id")
+        profile = msgspec.structs.replace(profile, cluster=msgspec.structs.replace(profile.cluster, intensity=intensity))
+        self.add(profile, replace=True)
+        return profile
