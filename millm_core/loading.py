@@ -54,6 +54,9 @@ def locate(settings: Settings, host: PluginHost) -> ModelLocation:
     if os.path.isdir(path):
         served = settings.served_name or os.path.basename(os.path.normpath(path))
         return ModelLocation(path=os.path.abspath(path), served_name=served, revision=local_revision(path))
+    if os.path.isfile(path):  # a single-file model (GGUF): the engine names it
+        served = settings.served_name or os.path.basename(path)
+        return ModelLocation(path=os.path.abspath(path), served_name=served, revision=local_revision(os.path.dirname(os.path.abspath(path))))
     sources = host.model_sources()
     if name in sources:
         location: ModelLocation = sources[name].materialise(settings)

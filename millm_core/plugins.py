@@ -20,6 +20,7 @@ import structlog
 from starlette.responses import Response
 
 from . import hookspecs
+from .commands import Command
 from .config import PluginSetting, Settings
 from .context import RequestContext
 from .engine import EngineFactory, ModelSource
@@ -109,6 +110,18 @@ class PluginHost:
         return [self._pm.get_name(impl.plugin) or "?" for impl in reversed(caller.get_hookimpls())]
 
     # -------------------------------------------------------------- start-up hooks
+
+    def commands(self) -> list[Command]:
+        found: list[Command] = []
+        self._pm.hook.millm_register_commands(register=found.append)
+        return found
+
+    @classmethod
+    def declared_commands(cls) -> list[Command]:
+        """The subcommands every installed plugin offers."""
+        host = cls()
+        host.discover(Settings())
+        return host.commands()
 
     def engines(self) -> list[EngineFactory]:
         found: list[EngineFactory] = []

@@ -20,7 +20,10 @@ from millm_core.plugins import PluginHost
 from millm_core.registry import ModelRegistry, ServedModel
 from millm_core.server.app import build_host, create_app
 from millm_core.testing import RunningServer
+from millm_engines.gguf.testing import tiny_gguf
 from millm_engines.transformers.testing import tiny_model_dir
+
+from .gguf.helpers import load_gguf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # CI runs the property tests derandomised (reproducible verdicts); local runs keep
@@ -109,4 +112,23 @@ def short_context_server(tiny_dir: str, make_server: ServerFactory) -> Iterator[
     settings = load_settings({"max_model_len": 64}, environ={})
     model = _load(tiny_dir, TINY, settings)
     with make_server(models=[model], default_max_tokens=4) as srv:
+        yield srv
+
+
+# ------------------------------------------------------------------ GGUF
+
+
+@pytest.fixture(scope="session")
+def gguf_path(tiny_dir: str) -> str:
+    return tiny_gguf(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def gguf_model(gguf_path: str) -> ServedModel:
+    return load_gguf(gguf_path)
+
+
+@pytest.fixture(scope="session")
+def gguf_server(make_server, gguf_model: ServedModel) -> Iterator[RunningServer]:  # type: ignore[no-untyped-def]
+    with make_server(models=[gguf_model]) as srv:
         yield srv

@@ -1,7 +1,8 @@
 """Every ``python`` and ``bash`` example in README.md and docs/ runs against a real server.
 
 Examples address the default deployment (http://127.0.0.1:8000, SmolLM2-135M-Instruct);
-the test points them at a server running the tiny model. Blocks fenced as ``console``,
+the test points them at a server running the tiny model. The GGUF page's examples address
+``millm serve --engine gguf`` and run against the tiny model written as GGUF. Blocks fenced as ``console``,
 ``text`` or ``toml`` are illustrations and are not run.
 """
 
@@ -32,7 +33,11 @@ def blocks() -> list[tuple[str, int, str, str]]:
 
 
 def localise(code: str, base_url: str) -> str:
-    return code.replace("http://127.0.0.1:8000", base_url).replace("SmolLM2-135M-Instruct", "tiny")
+    return (
+        code.replace("http://127.0.0.1:8000", base_url)
+        .replace("SmolLM2-135M-Instruct-GGUF:Q4_1", "tiny:F32")
+        .replace("SmolLM2-135M-Instruct", "tiny")
+    )
 
 
 def test_docs_have_examples() -> None:
@@ -42,7 +47,8 @@ def test_docs_have_examples() -> None:
 
 
 @pytest.mark.parametrize(("page", "index", "lang", "code"), blocks(), ids=[f"{b[0]}#{b[1]}" for b in blocks()])
-def test_example_runs(server, page: str, index: int, lang: str, code: str) -> None:  # type: ignore[no-untyped-def]
+def test_example_runs(request: pytest.FixtureRequest, page: str, index: int, lang: str, code: str) -> None:
+    server = request.getfixturevalue("gguf_server" if page == "gguf.md" else "server")
     code = localise(code, server.base_url)
     if lang == "python":
         out = io.StringIO()

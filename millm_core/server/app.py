@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
+import msgspec
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -74,6 +75,10 @@ def create_app(
     that the lifespan runs in a worker thread while the server already answers health
     checks (readiness is 503 until it finishes)."""
     host = host or build_host(settings)
+    # Settings built without the plugins' declarations get their defaults (what the CLI would give).
+    missing = {d.name: d.default for d in host.plugin_settings() if d.name not in settings.plugin_values}
+    if missing:
+        settings = msgspec.structs.replace(settings, plugin_values={**missing, **settings.plugin_values})
     policy = FieldPolicy()
     for rule in host.field_rules():
         policy.register(rule)

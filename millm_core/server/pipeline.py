@@ -20,7 +20,7 @@ from ..builtin import STRUCTURAL_FIELDS
 from ..context import RequestContext
 from ..contracts.chat import ChatCompletionRequest
 from ..contracts.completions import CompletionRequest
-from ..engine import RowSpec, SamplingParams
+from ..engine import Capability, RowSpec, SamplingParams
 from ..errors import ContextLengthExceeded, FieldNotHonoured, InvalidRequest, MillmError
 from ..pipeline_types import (
     ChoiceResult,
@@ -122,6 +122,9 @@ def _prompt_ids(ctx: RequestContext, request: ChatCompletionRequest | Completion
     if isinstance(request, ChatCompletionRequest):
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         kwargs: dict[str, Any] = request.chat_template_kwargs if isinstance(request.chat_template_kwargs, dict) else {}
+        if kwargs and Capability.CHAT_TEMPLATE_KWARGS not in model.capabilities:
+            ctx.ignored_fields.append("chat_template_kwargs")  # accepted, and said to be unused
+            kwargs = {}
         return [engine.render_chat(messages, **kwargs)]
     add_special = request.add_special_tokens if _sent(request.add_special_tokens) else True
     prompts = [engine.encode(text, add_special_tokens=bool(add_special)) for text in request.prompts()]
@@ -166,18 +169,20 @@ def check_field_policy(state: AppState, ctx: RequestContext, request: msgspec.St
 
 
 def admit(state: AppState, ctx: RequestContext, request: ChatCompletionRequest | CompletionRequest) -> ServedModel:
-    """Strict mode, the plugins' validation, model resolution and the field policy: every
+    """Strict mode, model resolution, the field policy and the plugins' validation: every
     refusal that needs no tokenisation. Runs nothing."""
     if isinstance(request, ChatCompletionRequest):
         ctx.ignored_fields.extend(_unread_message_fields(request))
     refuse_unused_if_strict(ctx)
-    problems = state.host.validate(ctx, request)
-    if problems:
-        raise problems_error(problems)
     model = state.host.resolve(ctx, request, state.models)
     if model is None:  # pragma: no cover - the core's resolve always answers or raises
         raise InvalidRequest("no plugin resolved a model for this request", param="model")
+    # What this engine cannot do is refused first, naming the field, before any plugin
+    # checks how the field is used.
     check_field_policy(state, ctx, request, model)
+    problems = state.host.validate(ctx, request)
+    if problems:
+        raise problems_error(problems)
     return model
 
 
@@ -214,7 +219,9 @@ def submit(state: AppState, prepared: Prepared) -> RunHandle:
         for j in range(prepared.n):
             index = p_index * prepared.n + j
             sampling = msgspec.structs.replace(prepared.plan.sampling, stream=index)
-            rows.append(RowSpec(prompt_ids=tuple(ids), sampling=sampling, deltas=dict(prepared.plan.deltas)))
+            rows.append(
+                RowSpec(prompt_ids=tuple(ids), sampling=sampling, deltas=dict(prepared.plan.deltas), max_new_tokens=prepared.plan.max_new_tokens)
+            )
             info = RowInfo(index=index, prompt_index=p_index, prompt_tokens=len(ids))
             drivers.append(
                 RowDriver(

@@ -36,6 +36,10 @@ def _adder(delta: torch.Tensor) -> Any:
 SCORE_BATCH = 64
 
 
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass once the wanted block has run."""
+
+
 @dataclass
 class HFBatch:
     """Per-batch state: KV cache, attention mask, per-row positions and params."""
@@ -251,6 +255,16 @@ class TransformersEngine:
     # ------------------------------------------------------------------ embeddings
 
     @torch.inference_mode()
+    def _right_padded(self, chunk: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, attention mask)`` for sequences padded on the right."""
+        width = max(len(seq) for seq in chunk)
+        ids = torch.full((len(chunk), width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, seq in enumerate(chunk):
+            ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+            mask[row, : len(seq)] = 1
+        return ids, mask
+
     def embed(self, inputs: Sequence[Sequence[int]], pooling: str) -> list[list[float]]:
         """Pooled last hidden states, right-padded batches of ``EMBED_BATCH``."""
         base = self.model.base_model
@@ -258,12 +272,7 @@ class TransformersEngine:
         for start in range(0, len(inputs), EMBED_BATCH):
             chunk = inputs[start : start + EMBED_BATCH]
             lengths = torch.tensor([len(ids) for ids in chunk])
-            width = int(lengths.max())
-            ids = torch.full((len(chunk), width), self._pad_id, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, seq in enumerate(chunk):
-                ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
-                mask[row, : len(seq)] = 1
+            ids, mask = self._right_padded(chunk)
             hidden = base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state.float()
             if pooling == "last":
                 pooled = hidden[torch.arange(len(chunk)), lengths - 1]
@@ -274,6 +283,33 @@ class TransformersEngine:
                 pooled = (hidden * weights).sum(1) / weights.sum(1)
             vectors.extend(pooled.cpu().tolist())
         return vectors
+
+    def residuals(self, inputs: Sequence[Sequence[int]], layer: int) -> list[Any]:
+        """Block ``layer``'s output per position, right-padded batches of ``EMBED_BATCH``;
+        the blocks after ``layer`` are not run."""
+        blocks = self.model.model.layers
+        if not 0 <= layer < len(blocks):
+            raise ValueError(f"layer {layer} is outside 0..{len(blocks) - 1}")
+        out: list[Any] = []
+        captured: list[torch.Tensor] = []
+
+        def grab(module: Any, args: Any, output: Any) -> Any:
+            captured.append((output[0] if isinstance(output, tuple) else output).float())
+            raise _Stop
+
+        handle = blocks[layer].register_forward_hook(grab)
+        try:
+            for start in range(0, len(inputs), EMBED_BATCH):
+                chunk = inputs[start : start + EMBED_BATCH]
+                ids, mask = self._right_padded(chunk)
+                captured.clear()
+                with contextlib.suppress(_Stop), torch.inference_mode():
+                    self.model.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
+                hidden = captured[0].cpu().numpy()
+                out.extend(hidden[row, : len(seq)].copy() for row, seq in enumerate(chunk))
+        finally:
+            handle.remove()
+        return out
 
     def close(self, batch: HFBatch) -> None:
         batch.cache = None

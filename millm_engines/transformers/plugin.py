@@ -18,6 +18,8 @@ CAPABILITIES = frozenset(
         Capability.EMBEDDINGS,
         Capability.SCORING,
         Capability.STEERING,
+        Capability.CHAT_TEMPLATE_KWARGS,
+        Capability.POOLINGS,
     }
 )
 

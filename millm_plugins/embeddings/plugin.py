@@ -43,8 +43,10 @@ def millm_register_settings(register: Callable[[PluginSetting], None]) -> None:
 
 @hookimpl
 def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
-    for name in ("encoding_format", "pooling", "normalize"):
+    for name in ("encoding_format", "normalize"):
         register(FieldRule(name, ("embeddings",), by=NAME, requires=Capability.EMBEDDINGS))
+    register(FieldRule("pooling", ("embeddings",), by=NAME, requires=Capability.POOLINGS))
+    register(FieldRule("pooling", ("embeddings",), by=NAME, requires=Capability.EMBEDDINGS, condition='"mean" only on this engine'))
 
 
 async def embeddings(request: Request) -> Response:
@@ -56,13 +58,16 @@ async def embeddings(request: Request) -> Response:
     check_field_policy(state, ctx, body, model)
     engine = model.engine
     if Capability.EMBEDDINGS not in model.capabilities or not isinstance(engine, Embedder):
-        raise FieldNotHonoured(f"the {model.info.engine} engine serving '{model.info.served_name}' cannot embed", param="input")
+        why = getattr(engine, "refusals", {}).get(Capability.EMBEDDINGS)
+        raise FieldNotHonoured(f"the {model.info.engine} engine serving '{model.info.served_name}' cannot embed" + (f": {why}" if why else ""), param="input")
+    pooling = body.pooling if _sent(body.pooling) else "mean"
+    if pooling != "mean" and Capability.POOLINGS not in model.capabilities:
+        raise FieldNotHonoured(f"pooling {pooling!r} is not available on the {model.info.engine} engine; it pools by mean only", param="pooling")
     texts = body.inputs()
     single = isinstance(body.input, str)
     check_inputs(texts, single, int(ctx.settings.plugin(MAX_INPUTS)))
     ids = [engine.encode(text, add_special_tokens=True) for text in texts]
     check_lengths([len(i) for i in ids], model.info.context_length, single)
-    pooling = body.pooling if _sent(body.pooling) else "mean"
     # Model code runs on the scheduler's thread only.
     vectors = await asyncio.wrap_future(state.scheduler.call(lambda: engine.embed(ids, str(pooling))))
     normalize = bool(body.normalize) if _sent(body.normalize) else False

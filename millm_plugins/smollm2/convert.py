@@ -51,12 +51,16 @@ def _sha256(path: str, bar: tqdm) -> str:
     return digest.hexdigest()
 
 
+def packaged_revision(gguf: str) -> str:
+    """The GGUF's SHA-256 prefix: the revision the model is served under."""
+    with tqdm(total=os.path.getsize(gguf), unit="B", unit_scale=True, desc=f"{MODEL_NAME}: checking GGUF", leave=False) as bar:
+        return _sha256(gguf, bar)[:12]
+
+
 def converted_dir(cache_root: str) -> tuple[str, str]:
     """(directory, revision) of the converted checkpoint, converting it if needed."""
     gguf = packaged_gguf()
-    size = os.path.getsize(gguf)
-    with tqdm(total=size, unit="B", unit_scale=True, desc=f"{MODEL_NAME}: checking GGUF", leave=False) as bar:
-        revision = _sha256(gguf, bar)[:12]
+    revision = packaged_revision(gguf)
     target = os.path.join(cache_root, "models", f"{MODEL_NAME}-{revision}")
     if os.path.isfile(os.path.join(target, SOURCE_FILE)):
         return target, revision

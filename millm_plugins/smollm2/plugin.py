@@ -13,8 +13,25 @@ from .convert import MODEL_NAME, QUANTIZATION
 MILLM_PLUGIN_KIND = "models"
 
 
+GGUF_ENGINE = "gguf"
+GGUF_NAME = f"{MODEL_NAME}-GGUF"
+GGUF_TAG = "Q4_1"
+
+
 def _materialise(settings: Settings) -> ModelLocation:
-    from .convert import converted_dir
+    """The converted safetensors checkpoint; with ``--engine gguf``, the packaged GGUF file
+    itself, served as ``SmolLM2-135M-Instruct-GGUF:Q4_1``."""
+    from .convert import converted_dir, packaged_gguf, packaged_revision
+
+    if settings.engine == GGUF_ENGINE:
+        gguf = packaged_gguf()
+        return ModelLocation(
+            path=gguf,
+            served_name=f"{GGUF_NAME}:{GGUF_TAG}",
+            revision=packaged_revision(gguf),
+            quantization=GGUF_TAG,
+            extra={"owned_by": "HuggingFaceTB", "gguf_name": GGUF_NAME},
+        )
 
     path, revision = converted_dir(cache_root(settings))
     return ModelLocation(

@@ -6,14 +6,16 @@ Every write to the live state (attach, detach, manual values) moves the steering
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
 from millm_core.codec import convert, decode_json, encode
-from millm_core.engine import Capability
+from millm_core.engine import Capability, ResidualReader
 from millm_core.errors import FieldNotHonoured, InvalidRequest, ModelNotLoaded
 from millm_core.openapi import RouteDoc
 from millm_core.server.routes.common import app_state, read_body
@@ -67,6 +69,29 @@ class SAEDetached(SAEInfo, kw_only=True):
     """The SAE after ``detach``; ``detached`` counts the attachments removed."""
 
     detached: int
+
+
+class FeatureQuery(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /api/saes/{id}/features``: which features fire on ``text`` (no chat template,
+    no special tokens), at the attachment ``layer`` (omit when attached once)."""
+
+    text: str
+    layer: int | None = None
+    top_k: int = 10
+
+
+class FeatureHit(msgspec.Struct, kw_only=True):
+    index: int
+    max: float
+    mean: float
+    token: str  # the token where the feature fires most
+
+
+class FeatureReport(msgspec.Struct, kw_only=True):
+    sae_id: str
+    layer: int
+    tokens: int
+    features: list[FeatureHit]
 
 
 class ManualValues(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -182,6 +207,34 @@ async def detach_sae(request: Request) -> Response:
     return json_response(SAEDetached(**msgspec.structs.asdict(info), detached=removed))
 
 
+async def features(request: Request) -> Response:
+    """The SAE's strongest features on a text, read from the resident model, unsteered."""
+    body = await body_of(request, FeatureQuery)
+    state, app = steering_state(request), app_state(request)
+    sae_id = request.path_params["sae_id"]
+    sae = state.get(sae_id)
+    _, layer = state.entry(sae_id, body.layer)
+    if not 1 <= body.top_k <= 100:
+        raise InvalidRequest("top_k must be 1–100", param="top_k")
+    model = next(iter(app.models), None)
+    if model is None:
+        raise ModelNotLoaded("no model is loaded yet")
+    engine = model.engine
+    if not isinstance(engine, ResidualReader):
+        raise FieldNotHonoured(f"the {model.info.engine} engine cannot read residuals", param="text")
+    ids = engine.encode(body.text, add_special_tokens=False)
+    if not ids:
+        raise InvalidRequest("text has no tokens", param="text")
+    if len(ids) > model.info.context_length:
+        raise InvalidRequest(f"text is {len(ids)} tokens; the model reads at most {model.info.context_length}", code="context_length_exceeded", param="text")
+    residual = await asyncio.wrap_future(app.scheduler.call(lambda: engine.residuals([ids], layer)[0]))
+    acts = sae.encode(residual)
+    peak = acts.max(0)
+    order = [int(i) for i in np.argsort(-peak, kind="stable")[: body.top_k] if peak[i] > 0]
+    hits = [FeatureHit(index=i, max=float(peak[i]), mean=float(acts[:, i].mean()), token=engine.decode([ids[int(acts[:, i].argmax())]])) for i in order]
+    return json_response(FeatureReport(sae_id=sae_id, layer=layer, tokens=len(ids), features=hits))
+
+
 class _NoFields:
     """A request that sends no steering fields: it runs with the global state."""
 
@@ -238,6 +291,7 @@ ROUTES: tuple[Route, ...] = (
     ("/api/saes/{sae_id}", delete_sae, ["DELETE"], RouteDoc("Forget an SAE (detaching it everywhere)", response=SAEDeleted, errors=("404",))),
     ("/api/saes/{sae_id}/attach", attach_sae, ["POST"], RouteDoc("Attach at a decoder block's output", AttachSAE, SAEInfo, errors=("400", "404", "503"))),
     ("/api/saes/{sae_id}/detach", detach_sae, ["POST"], RouteDoc("Detach (at one layer, or all)", AttachSAE, SAEDetached)),
+    ("/api/saes/{sae_id}/features", features, ["POST"], RouteDoc("The SAE's strongest features on a text", FeatureQuery, FeatureReport, errors=("400", "404", "503"))),
     ("/api/steering", get_steering, ["GET"], RouteDoc("The live steering state", response=LiveState, errors=())),
     ("/api/steering", put_steering, ["PUT"], RouteDoc("Set the manual values of one attached SAE", ManualValues, LiveState)),
     ("/api/steering", delete_steering, ["DELETE"], RouteDoc("Clear manual values and deactivate the active profile", response=LiveState, errors=())),

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from millm_core.commands import Command
 from millm_core.config import PluginSetting
 from millm_core.context import RequestContext, StashKey
 from millm_core.engine import Capability
@@ -26,6 +27,7 @@ from .api import CEILING, FLOOR, dials_of, state_of
 from .apply import Plan, deltas, plan_for, report
 from .inline import conflicts, parse
 from .intensity import parse as parse_intensity
+from .train import COMMAND
 
 NAME = "steering"
 HEADER = "X-miLLM-Steering"
@@ -49,6 +51,11 @@ def _fraction(value: str) -> float:
 def millm_register_settings(register: Callable[[PluginSetting], None]) -> None:
     register(PluginSetting(FLOOR, 0.5, 'the dial\'s "min" for clusters and profiles that declare no intensity_range', _fraction))
     register(PluginSetting(CEILING, 2.0, 'the dial\'s "max" (and cap) for clusters and profiles that declare no intensity_range', _fraction))
+
+
+@hookimpl
+def millm_register_commands(register: Callable[[Command], None]) -> None:
+    register(COMMAND)
 
 
 @hookimpl

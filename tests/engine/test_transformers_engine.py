@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from millm_core.engine import RowSpec, SamplingParams
-from millm_engines.transformers.chat import generic_chat_text
+from millm_core.chatformat import generic_chat_text
 
 GREEDY = SamplingParams(temperature=0.0)
 

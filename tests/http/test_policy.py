@@ -23,6 +23,8 @@ SAMPLES: dict[str, Any] = {
 }
 # Endpoint-specific samples, and what a conditionally honoured field needs beside it.
 SAMPLE_OVERRIDES: dict[tuple[str, str], Any] = {("logprobs", "completions"): 2}
+# The value a conditionally honoured field takes to meet its condition, where the sample does not.
+CONDITIONAL_SAMPLES: dict[str, Any] = {"pooling": "mean"}
 SCORING = {"max_tokens": 1}
 CONDITIONS: dict[str, dict[str, Any]] = {
     "logprobs": SCORING,
@@ -32,6 +34,9 @@ CONDITIONS: dict[str, dict[str, Any]] = {
     "scoring_precision": {**SCORING, "logprobs": 1},
 }
 STRUCTURAL = {"model", "messages", "prompt", "input"}
+# Honoured fields whose sample names something that does not exist: the lookup proves the
+# field was read (a refusal would be 400 field_not_honoured).
+HONOURED_LOOKUPS: dict[str, tuple[int, str]] = {"profile": (404, "profile_not_found")}
 PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
 BASES: dict[str, dict[str, Any]] = {
     "chat.completions": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
@@ -48,34 +53,39 @@ def test_table_has_one_cell_per_field_endpoint_and_engine(server) -> None:  # ty
     cells = table(server.base_url)
     keys = [(c["field"], c["endpoint"], c["engine"]) for c in cells]
     assert len(keys) == len(set(keys))
-    expected = {(f, e, "transformers") for e, contract in ENDPOINT_CONTRACTS.items() for f in contract.__struct_fields__}
+    expected = {(f, e, engine) for e, contract in ENDPOINT_CONTRACTS.items() for f in contract.__struct_fields__ for engine in ("transformers", "gguf")}
     assert set(keys) == expected
     for cell in cells:
         assert cell["status"] in ("honoured", "honoured-with-condition", "refused")
         assert (cell["status"] == "refused") == (cell["reason"] is not None)
 
 
-def test_every_cell_behaves_as_the_table_says(server) -> None:  # type: ignore[no-untyped-def]
+def test_every_cell_behaves_as_the_table_says(server, gguf_server) -> None:  # type: ignore[no-untyped-def]
+    """Each engine's cells are checked on a server running that engine."""
+    servers = {"transformers": (server, "tiny"), "gguf": (gguf_server, "tiny:F32")}
     for cell in table(server.base_url):
         field, endpoint = cell["field"], cell["endpoint"]
         if field in STRUCTURAL:
             continue
         assert field in SAMPLES, f"add a sample value for {field}"
-        body = {**BASES[endpoint], field: SAMPLE_OVERRIDES.get((field, endpoint), SAMPLES[field])}
+        srv, model = servers[cell["engine"]]
+        body = {**BASES[endpoint], "model": model, field: SAMPLE_OVERRIDES.get((field, endpoint), SAMPLES[field])}
         if cell["status"] == "honoured-with-condition":
             body.update(CONDITIONS.get(field, {}))
-            body[field] = SAMPLE_OVERRIDES.get((field, endpoint), SAMPLES[field])
-        resp = httpx.post(server.base_url + PATHS[endpoint], json=body, timeout=30)
+            body[field] = CONDITIONAL_SAMPLES.get(field, SAMPLE_OVERRIDES.get((field, endpoint), SAMPLES[field]))
+        resp = httpx.post(srv.base_url + PATHS[endpoint], json=body, timeout=30)
         error = resp.json().get("error") if resp.headers["content-type"].startswith("application/json") else None
         if cell["status"] == "refused":
             assert resp.status_code == 400, (cell, resp.text)
             assert error["code"] == "field_not_honoured" and error["param"] == field, (cell, error)
+        elif field in HONOURED_LOOKUPS:
+            assert (resp.status_code, error["code"]) == HONOURED_LOOKUPS[field], (cell, resp.text)
         else:
             assert resp.status_code == 200, (cell, resp.text)
 
 
 def test_unconditional_honour_wins_and_conditions_are_listed(server) -> None:  # type: ignore[no-untyped-def]
-    cells = {(c["field"], c["endpoint"]): c for c in table(server.base_url)}
+    cells = {(c["field"], c["endpoint"]): c for c in table(server.base_url) if c["engine"] == "transformers"}
     assert cells[("temperature", "completions")] | {"reason": None} == {
         "field": "temperature", "endpoint": "completions", "engine": "transformers", "status": "honoured", "by": "sampling", "condition": None, "reason": None,
     }

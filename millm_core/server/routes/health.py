@@ -8,6 +8,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from ...builtin import STRUCTURAL_FIELDS
 from ...codec import encode
 from ...contracts import ENDPOINT_CONTRACTS
+from ...engine import Joinable
 from ...errors import ModelNotLoaded
 from ...fields import policy_table
 from .common import app_state
@@ -43,4 +44,6 @@ async def api_docs(request: Request) -> Response:
 
 async def inference(request: Request) -> Response:
     state = app_state(request)
-    return Response(encode({"backend": "serial", "scheduler": state.scheduler.snapshot()}), media_type="application/json")
+    # "batched": concurrent requests share decode steps (a Joinable engine); "serial": one request's rows per step.
+    backend = "batched" if any(isinstance(m.engine, Joinable) for m in state.models) else "serial"
+    return Response(encode({"backend": backend, "scheduler": state.scheduler.snapshot()}), media_type="application/json")

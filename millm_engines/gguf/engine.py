@@ -1,0 +1,171 @@
+"""The GGUF engine: llama.cpp through its batch API.
+
+Every row is one llama.cpp sequence in a KV cache that all sequences share. A step sends
+one ``llama_decode`` call (more when prefill exceeds the batch size) carrying the
+prompts of rows that have not run yet and the last token of every other row, reads the
+logits of each row's last position and samples them in numpy. Rows of later requests can
+join a running batch (:meth:`GGUFEngine.join`): the scheduler uses that to serve
+concurrent streams together, which is where a batch API beats a serial server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from millm_core.chatformat import generic_chat_text, render_with_continuation
+from millm_core.engine import Capability, ModelInfo, RowSpec, SamplingParams
+from millm_core.errors import InvalidRequest
+
+from .llama import LlamaModel, Piece
+from .sampler import sample_row
+
+
+@dataclass
+class Row:
+    seq: int
+    tokens: list[int]
+    sampling: SamplingParams
+    reserve: int
+    n_past: int = 0  # tokens already in the KV cache
+    prompt_len: int = 0
+
+
+@dataclass
+class GGUFBatch:
+    rows: list[Row] = field(default_factory=list)
+
+
+class GGUFEngine:
+    """A loaded GGUF model serving up to ``parallel`` sequences at once."""
+
+    def __init__(self, llm: LlamaModel, info: ModelInfo, capabilities: frozenset[Capability], parallel: int, refusals: Mapping[Capability, str]) -> None:
+        self.llm = llm
+        self.info = info
+        self.capabilities = capabilities
+        self.refusals = dict(refusals)  # why a capability is missing, for the error message
+        self.parallel = parallel
+        self._free_seqs = list(range(parallel))
+        self._reserved = 0
+        eos = {t for t in (llm.special("eos"), llm.special("eot")) if t is not None}
+        self.eos_token_ids = frozenset(t for t in range(llm.n_vocab) if llm.is_eog(t)) | eos
+        self._bos = llm.special("bos")
+        self._bos_text = llm.piece(self._bos, special=True).decode("utf-8", errors="replace") if self._bos is not None else ""
+        self._template = llm.chat_template()
+
+    # ------------------------------------------------------------------ text
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return self.llm.tokenize(text, add_special=add_special_tokens)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return b"".join(self.llm.piece(t, special=False) for t in ids).decode("utf-8", errors="replace")
+
+    def token_text(self, token_id: int) -> str:
+        return self.llm.piece(token_id, special=True).decode("utf-8", errors="replace")
+
+    def chat_text(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """The chat rendered with the file's embedded template (the fallback format
+        without one), ready for the assistant; a trailing assistant message continues."""
+        return render_with_continuation(self._render, messages)
+
+    def _render(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        if not self._template:
+            return generic_chat_text(messages)
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str) -> None:
+            raise InvalidRequest(f"the model's chat template refused the messages: {message}", param="messages")
+
+        env.globals["raise_exception"] = raise_exception
+        eos = self.llm.special("eos")
+        return env.from_string(self._template).render(
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=True,
+            bos_token=self._bos_text,
+            eos_token=self.token_text(eos) if eos is not None else "",
+        )
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], **_: Any) -> list[int]:
+        """The BOS rule: a render that begins with the BOS text gets no second BOS;
+        otherwise the model's own add-BOS rule applies."""
+        text = self.chat_text(messages)
+        own_bos = bool(self._bos_text) and text.startswith(self._bos_text)
+        return self.llm.tokenize(text, add_special=not own_bos)
+
+    # ------------------------------------------------------------------ batches
+
+    def can_join(self, rows: Sequence[RowSpec]) -> bool:
+        """Whether ``rows`` fit now: a free sequence each, and KV cells for their prompts
+        and budgets beside the rows already running."""
+        need = sum(len(r.prompt_ids) + max(r.max_new_tokens, 1) for r in rows)
+        return len(rows) <= len(self._free_seqs) and self._reserved + need <= self.llm.n_cells
+
+    def open_batch(self, rows: Sequence[RowSpec]) -> GGUFBatch:
+        if len(rows) > self.parallel:
+            raise InvalidRequest(f"{len(rows)} sequences at once; this GGUF engine runs at most {self.parallel}", param="prompt")
+        need = sum(len(r.prompt_ids) + max(r.max_new_tokens, 1) for r in rows)
+        if need > self.llm.n_cells:
+            raise InvalidRequest(f"the prompts and their token budgets need {need} KV cells; this GGUF engine has {self.llm.n_cells}", param="prompt")
+        batch = GGUFBatch()
+        self.join(batch, rows)
+        return batch
+
+    def join(self, batch: GGUFBatch, rows: Sequence[RowSpec]) -> None:
+        """Add rows to a running batch; their prompts run in the next step."""
+        for spec in rows:
+            reserve = len(spec.prompt_ids) + max(spec.max_new_tokens, 1)
+            seq = self._free_seqs.pop(0)
+            self.llm.forget(seq)
+            self._reserved += reserve
+            batch.rows.append(Row(seq=seq, tokens=list(spec.prompt_ids), sampling=spec.sampling, reserve=reserve, prompt_len=len(spec.prompt_ids)))
+
+    def step(self, batch: GGUFBatch, biases: Sequence[Mapping[int, float] | None]) -> list[int]:
+        pieces: list[Piece] = []
+        for row in batch.rows:
+            pending = row.tokens[row.n_past :]
+            for offset, token in enumerate(pending):
+                pieces.append(Piece(token=token, seq=row.seq, pos=row.n_past + offset, output=offset == len(pending) - 1))
+        logits: list[np.ndarray] = []
+        limit = self.llm.n_batch
+        for start in range(0, len(pieces), limit):
+            logits.extend(self.llm.decode(pieces[start : start + limit]))
+        out: list[int] = []
+        for row, row_logits, bias in zip(batch.rows, logits, biases, strict=True):
+            row.n_past = len(row.tokens)
+            token = sample_row(row_logits, row.sampling, len(row.tokens), bias)
+            row.tokens.append(token)
+            out.append(token)
+        return out
+
+    def retain(self, batch: GGUFBatch, keep: Sequence[int]) -> None:
+        kept = set(keep)
+        for index, row in enumerate(batch.rows):
+            if index not in kept:
+                self._release(row)
+        batch.rows = [batch.rows[i] for i in keep]
+
+    def close(self, batch: GGUFBatch) -> None:
+        for row in batch.rows:
+            self._release(row)
+        batch.rows = []
+
+    def _release(self, row: Row) -> None:
+        self.llm.forget(row.seq)
+        self._free_seqs.append(row.seq)
+        self._free_seqs.sort()
+        self._reserved -= row.reserve
+
+    # ------------------------------------------------------------------ embeddings
+
+    def embed(self, inputs: Sequence[Sequence[int]], pooling: str) -> list[list[float]]:
+        """Mean of the last hidden states per input (the only pooling llama.cpp gives
+        this engine); millm applies ``normalize`` afterwards."""
+        if pooling != "mean":
+            raise InvalidRequest(f"pooling {pooling!r} is not available on GGUF models; only mean", code="field_not_honoured", param="pooling")
+        return [self.llm.embed(ids, self.info.context_length).astype(np.float32).tolist() for ids in inputs]

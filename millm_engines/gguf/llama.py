@@ -1,0 +1,212 @@
+"""A thin layer over llama-cpp-python's C API: one model, one generation context whose
+KV cache is shared by up to ``n_seq_max`` sequences (``kv_unified``), an optional
+embeddings context, tokenisation and metadata. ``llama_cpp`` is imported only in this
+package.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import llama_cpp as L
+import numpy as np
+
+from millm_core.errors import InternalError
+
+GGML_TYPE_F32 = 0
+POOLING_MEAN = 1
+FLASH_ATTN_DISABLED = 0
+
+
+@L.llama_log_callback
+def _quiet(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    """llama.cpp's log, dropped: it writes per-graph detail to stderr; millm logs what it
+    does itself."""
+
+
+L.llama_log_set(_quiet, ctypes.c_void_p(0))
+
+
+class DecodeFailed(InternalError):
+    code = "engine_error"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One token of a decode call: its id, sequence, position and whether its logits
+    (or embedding) are wanted."""
+
+    token: int
+    seq: int
+    pos: int
+    output: bool
+
+
+class LlamaModel:
+    """The loaded GGUF file and its contexts."""
+
+    def __init__(self, path: str, *, n_ctx: int, n_seq_max: int, threads: int | None, f32_kv: bool, n_batch: int = 512) -> None:
+        L.llama_backend_init()
+        mparams = L.llama_model_default_params()
+        self.model = L.llama_model_load_from_file(path.encode(), mparams)
+        if not self.model:
+            raise InternalError(f"llama.cpp could not load {path!r}")
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
+        self.n_batch = n_batch
+        self.threads = threads
+        self.f32_kv = f32_kv
+        self.ctx = self._context(n_ctx=n_ctx, n_seq_max=n_seq_max, embeddings=False)
+        self.memory = L.llama_get_memory(self.ctx)
+        self._embed_ctx: ctypes.c_void_p | None = None
+        self._batch = L.llama_batch_init(n_batch, 0, 1)
+
+    def _context(self, *, n_ctx: int, n_seq_max: int, embeddings: bool) -> ctypes.c_void_p:
+        params = L.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = self.n_batch
+        params.n_ubatch = self.n_batch
+        params.n_seq_max = n_seq_max
+        params.kv_unified = True
+        if self.threads:
+            params.n_threads = self.threads
+            params.n_threads_batch = self.threads
+        if self.f32_kv:  # an f32 model keeps f32 attention: f16 state (or flash attention's f16 path) costs ~1e-2 in the logits
+            params.type_k = GGML_TYPE_F32
+            params.type_v = GGML_TYPE_F32
+            params.flash_attn_type = FLASH_ATTN_DISABLED
+        params.embeddings = embeddings
+        if embeddings:
+            params.pooling_type = POOLING_MEAN
+        ctx = L.llama_init_from_model(self.model, params)
+        if not ctx:
+            raise InternalError("llama.cpp could not create a context")
+        return ctx
+
+    # ------------------------------------------------------------------ metadata
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def chat_template(self) -> str | None:
+        raw = L.llama_model_chat_template(self.model, None)
+        return raw.decode("utf-8") if raw else None
+
+    @property
+    def n_ctx_train(self) -> int:
+        return int(L.llama_model_n_ctx_train(self.model))
+
+    @property
+    def n_embd(self) -> int:
+        return int(L.llama_model_n_embd(self.model))
+
+    @property
+    def n_layer(self) -> int:
+        return int(L.llama_model_n_layer(self.model))
+
+    @property
+    def n_cells(self) -> int:
+        return int(L.llama_n_ctx(self.ctx))
+
+    def special(self, name: str) -> int | None:
+        token = int(getattr(L, f"llama_vocab_{name}")(self.vocab))
+        return token if token >= 0 else None
+
+    def add_bos(self) -> bool:
+        return bool(L.llama_vocab_get_add_bos(self.vocab))
+
+    def is_eog(self, token: int) -> bool:
+        return bool(L.llama_vocab_is_eog(self.vocab, token))
+
+    # ------------------------------------------------------------------ text
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        buf = (L.llama_token * capacity)()
+        n = L.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, parse_special)
+        if n < 0:
+            capacity = -n
+            buf = (L.llama_token * capacity)()
+            n = L.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, parse_special)
+        return list(buf[:n])
+
+    def piece(self, token: int, *, special: bool) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    # ------------------------------------------------------------------ compute
+
+    def decode(self, pieces: Sequence[Piece]) -> list[np.ndarray]:
+        """Run ``pieces`` (at most ``n_batch``) and return the logits of each output piece,
+        in order (float32 copies)."""
+        self._fill(pieces)
+        status = L.llama_decode(self.ctx, self._batch)
+        if status != 0:
+            raise DecodeFailed(f"llama_decode failed with status {status} ({len(pieces)} tokens)")
+        out: list[np.ndarray] = []
+        for index, piece in enumerate(pieces):
+            if piece.output:
+                pointer = L.llama_get_logits_ith(self.ctx, index)
+                out.append(np.ctypeslib.as_array(pointer, shape=(self.n_vocab,)).copy())
+        return out
+
+    def _fill(self, pieces: Sequence[Piece]) -> None:
+        assert 0 < len(pieces) <= self.n_batch
+        batch = self._batch
+        batch.n_tokens = len(pieces)
+        for i, piece in enumerate(pieces):
+            batch.token[i] = piece.token
+            batch.pos[i] = piece.pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = piece.seq
+            batch.logits[i] = 1 if piece.output else 0
+
+    def forget(self, seq: int) -> None:
+        """Free every KV cell of sequence ``seq``."""
+        L.llama_memory_seq_rm(self.memory, seq, -1, -1)
+
+    def embed(self, ids: Sequence[int], n_ctx: int) -> np.ndarray:
+        """The mean of the last hidden states over ``ids`` (llama.cpp's MEAN pooling), in a
+        separate context whose one batch holds a whole input of up to ``n_ctx`` tokens."""
+        if self._embed_ctx is None:
+            saved = self.n_batch
+            self.n_batch = n_ctx
+            try:
+                self._embed_ctx = self._context(n_ctx=n_ctx, n_seq_max=1, embeddings=True)
+            finally:
+                self.n_batch = saved
+        ctx = self._embed_ctx
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        batch = L.llama_batch_init(len(ids), 0, 1)
+        try:
+            batch.n_tokens = len(ids)
+            for pos, token in enumerate(ids):
+                batch.token[pos], batch.pos[pos], batch.n_seq_id[pos], batch.logits[pos] = token, pos, 1, 1
+                batch.seq_id[pos][0] = 0
+            if L.llama_decode(ctx, batch) != 0:
+                raise DecodeFailed("llama_decode failed while embedding")
+        finally:
+            L.llama_batch_free(batch)
+        pointer = L.llama_get_embeddings_seq(ctx, 0)
+        return np.ctypeslib.as_array(pointer, shape=(self.n_embd,)).copy()
+
+    def close(self) -> None:
+        L.llama_batch_free(self._batch)
+        if self._embed_ctx is not None:
+            L.llama_free(self._embed_ctx)
+        L.llama_free(self.ctx)
+        L.llama_model_free(self.model)

@@ -1,0 +1,63 @@
+"""Load a GGUF file into a :class:`~millm_engines.gguf.engine.GGUFEngine`."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import structlog
+
+from millm_core.config import Settings
+from millm_core.engine import Capability, ModelInfo, ModelLocation
+from millm_core.errors import ConfigError
+
+from . import naming
+from .engine import GGUFEngine
+from .llama import LlamaModel
+from .plugin import CAPABILITIES, EMBEDDINGS, ENGINE, KV_CELLS, PARALLEL
+
+log = structlog.get_logger("millm.gguf")
+DEFAULT_MAX_CELLS = 16384
+
+
+def load_engine(location: ModelLocation, settings: Settings) -> GGUFEngine:
+    started = time.perf_counter()
+    parallel = int(settings.plugin(PARALLEL)) or 1
+    embeddings = bool(settings.plugin(EMBEDDINGS))
+    threads = settings.threads or os.cpu_count() or 1
+    probe = LlamaModel(location.path, n_ctx=256, n_seq_max=1, threads=threads, f32_kv=False)
+    try:
+        file_type = probe.meta("general.file_type")
+        trained = probe.n_ctx_train
+    finally:
+        probe.close()
+    tag = location.quantization or naming.tag_of_file_type(int(file_type) if file_type else None) or naming.tag_of_filename(location.path)
+    if tag is None:
+        raise ConfigError(f"{location.path}: no quantization tag in its metadata or its name")
+    context = min(settings.max_model_len or trained, trained)
+    cells = int(settings.plugin(KV_CELLS)) or min(context * parallel, max(context, DEFAULT_MAX_CELLS))
+    if cells < context:
+        raise ConfigError(f"--{KV_CELLS.replace('_', '-')} {cells} is smaller than the context ({context}); one sequence would not fit")
+    llm = LlamaModel(location.path, n_ctx=cells, n_seq_max=parallel, threads=threads, f32_kv=tag == "F32")
+    if settings.served_name:
+        served = settings.served_name
+    else:
+        served = naming.served_name(location.extra.get("gguf_name") or naming.stem(location.path), tag)
+    info = ModelInfo(
+        served_name=served,
+        engine=ENGINE,
+        context_length=context,
+        d_model=llm.n_embd,
+        n_layers=llm.n_layer,
+        vocab_size=llm.n_vocab,
+        dtype=tag.lower(),
+        revision=location.revision,
+        quantization=tag,
+        owned_by=location.extra.get("owned_by", "millm"),
+        created=int(os.path.getmtime(location.path)),
+    )
+    capabilities = CAPABILITIES if embeddings else CAPABILITIES - {Capability.EMBEDDINGS}
+    refusals = {} if embeddings else {Capability.EMBEDDINGS: f"the model was loaded with {EMBEDDINGS}=false (MILLM_{EMBEDDINGS.upper()})"}
+    engine = GGUFEngine(llm, info, capabilities, parallel, refusals)
+    log.info("gguf_loaded", model=served, quantization=tag, context=context, kv_cells=cells, parallel=parallel, threads=threads, seconds=round(time.perf_counter() - started, 2))
+    return engine

@@ -1,0 +1,89 @@
+"""Registers the GGUF engine (llama.cpp), its settings, the GGUF files of the local
+Hugging Face cache as models, and the bare-name rule for requests. Importing this module
+does not import llama_cpp."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from millm_core.config import PluginSetting, Settings, parse_bool
+from millm_core.engine import Capability, EngineFactory, ModelLocation, ModelSource
+from millm_core.hookspecs import hookimpl
+from millm_core.registry import ModelRegistry, ServedModel
+
+MILLM_PLUGIN_KIND = "engine"
+NAME = "gguf"
+ENGINE = "llama.cpp"
+EMBEDDINGS = "gguf_enable_embeddings"
+PARALLEL = "gguf_parallel"
+KV_CELLS = "gguf_kv_cells"
+
+CAPABILITIES = frozenset({Capability.GENERATE, Capability.EMBEDDINGS})
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise ValueError("must be ≥ 0")
+    return number
+
+
+def _can_load(location: ModelLocation) -> bool:
+    return location.path.endswith(".gguf") and os.path.isfile(location.path)
+
+
+def _load(location: ModelLocation, settings: Settings) -> object:
+    from .loader import load_engine
+
+    return load_engine(location, settings)
+
+
+@hookimpl
+def millm_register_engines(register: Callable[[EngineFactory], None]) -> None:
+    register(EngineFactory(name=NAME, capabilities=CAPABILITIES, can_load=_can_load, load=_load))
+
+
+@hookimpl
+def millm_register_settings(register: Callable[[PluginSetting], None]) -> None:
+    register(PluginSetting(EMBEDDINGS, True, "load GGUF models able to embed (a second, embeddings-only llama.cpp context)", parse_bool))
+    register(PluginSetting(PARALLEL, 8, "sequences a GGUF model decodes together (concurrent requests share its batch)", _positive))
+    register(PluginSetting(KV_CELLS, 0, "KV-cache cells shared by those sequences (0: the context × parallel, at most 16384)", _positive))
+
+
+def _cached(repo: str, tag: str, path: str) -> ModelSource:
+    def materialise(settings: Settings) -> ModelLocation:
+        return ModelLocation(path=path, served_name=f"{repo}:{tag}", quantization=tag, extra={"gguf_name": repo})
+
+    return ModelSource(name=f"{repo}:{tag}", materialise=materialise, description=f"GGUF in the local Hugging Face cache ({os.path.basename(path)})")
+
+
+def _bare(repo: str, tags: dict[str, str]) -> ModelSource:
+    def materialise(settings: Settings) -> ModelLocation:
+        from .naming import pick
+
+        tag, path = pick(repo, tags)
+        return ModelLocation(path=path, served_name=f"{repo}:{tag}", quantization=tag, extra={"gguf_name": repo})
+
+    return ModelSource(name=repo, materialise=materialise, description=f"GGUF in the local Hugging Face cache ({', '.join(sorted(tags))})")
+
+
+@hookimpl
+def millm_register_model_sources(register: Callable[[ModelSource], None]) -> None:
+    from .naming import cached_gguf_repos
+
+    for repo, tags in cached_gguf_repos().items():
+        register(_bare(repo, tags))
+        for tag, path in tags.items():
+            register(_cached(repo, tag, path))
+
+
+@hookimpl
+def millm_resolve(ctx: Any, request: Any, models: ModelRegistry) -> ServedModel | None:
+    from .naming import refuse_bare_name
+
+    name = getattr(request, "model", None)
+    if isinstance(name, str) and models.get(name) is None:
+        refuse_bare_name(name, [m.info.served_name for m in models if m.info.engine == ENGINE])
+    return None

@@ -1,0 +1,40 @@
+"""The packaged SmolLM2 GGUF on the GGUF engine, through ``millm serve --engine gguf``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from .conftest import ServeProcess
+
+pytestmark = pytest.mark.e2e
+
+NAME = "SmolLM2-135M-Instruct-GGUF:Q4_1"
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+@pytest.fixture(scope="module")
+def gguf_default() -> Iterator[ServeProcess]:
+    server = ServeProcess(["--engine", "gguf"])
+    try:
+        server.wait_ready(timeout=300)
+        yield server
+    finally:
+        server.stop()
+
+
+def test_packaged_gguf_answers_paris(gguf_default: ServeProcess) -> None:
+    client = openai.OpenAI(base_url=gguf_default.base_url + "/v1", api_key="x", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [NAME]
+    resp = client.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, max_tokens=30)  # type: ignore[arg-type]
+    assert "Paris" in (resp.choices[0].message.content or "") and resp.choices[0].finish_reason == "stop"
+    assert resp.system_fingerprint is not None and resp.system_fingerprint.endswith(":q4_1/Q4_1:llama.cpp")
+    bare = httpx.post(gguf_default.base_url + "/v1/chat/completions", json={"model": "SmolLM2-135M-Instruct-GGUF", "messages": QUESTION})
+    assert bare.status_code == 404 and NAME in bare.json()["error"]["message"]
+    seeded = httpx.post(gguf_default.base_url + "/v1/chat/completions", json={"model": NAME, "messages": QUESTION, "seed": 1})
+    assert seeded.status_code == 400 and seeded.json()["error"]["param"] == "seed"
+    embedded = client.embeddings.create(model=NAME, input="Paris")
+    assert len(embedded.data[0].embedding) == 576

@@ -1,0 +1,69 @@
+"""The GGUF engine against the transformers engine on the same f32 weights, and the
+file writer against llama.cpp's own reading of it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from millm_core.engine import RowSpec, SamplingParams
+from millm_engines.gguf.llama import Piece
+
+PROMPTS = ["The capital of France is", "def main():\n    return", "Héllo wörld 東京 🙂"]
+
+
+def greedy(engine: Any, ids: list[int], n: int) -> list[int]:
+    batch = engine.open_batch([RowSpec(prompt_ids=tuple(ids), sampling=SamplingParams(temperature=0.0), max_new_tokens=n)])
+    try:
+        return [engine.step(batch, [None])[0] for _ in range(n)]
+    finally:
+        engine.close(batch)
+
+
+def test_file_matches_the_hf_weights(gguf_model, tiny_engine) -> None:  # type: ignore[no-untyped-def]
+    engine = gguf_model.engine
+    assert (gguf_model.info.engine, gguf_model.info.quantization, gguf_model.info.served_name) == ("llama.cpp", "F32", "tiny:F32")
+    for text in PROMPTS:
+        ids = tiny_engine.encode(text, add_special_tokens=True)
+        assert engine.encode(text, add_special_tokens=True) == ids  # the same tokenizer, BOS rule included
+        [logits] = engine.llm.decode([Piece(t, 0, p, p == len(ids) - 1) for p, t in enumerate(ids)])
+        engine.llm.forget(0)
+        with torch.no_grad():
+            reference = tiny_engine.model(torch.tensor([ids])).logits[0, -1].float().numpy()
+        np.testing.assert_allclose(logits, reference, atol=2e-3, rtol=0)
+
+
+def test_greedy_text_equals_the_transformers_engine(gguf_model, tiny_engine) -> None:  # type: ignore[no-untyped-def]
+    for text in PROMPTS:
+        ids = tiny_engine.encode(text, add_special_tokens=True)
+        assert greedy(gguf_model.engine, ids, 24) == greedy(tiny_engine, ids, 24)
+
+
+def test_chat_render_follows_the_bos_rule(gguf_model, tiny_engine) -> None:  # type: ignore[no-untyped-def]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi <|im_start|>"}]
+    assert gguf_model.engine.render_chat(messages) == tiny_engine.render_chat(messages)
+    ids = gguf_model.engine.render_chat(messages)
+    assert ids.count(tiny_engine.tokenizer.bos_token_id) == 1  # the template writes the BOS; none is added
+
+
+def test_rows_joining_a_running_batch_get_what_they_get_alone(gguf_model, tiny_engine) -> None:  # type: ignore[no-untyped-def]
+    engine = gguf_model.engine
+    prompts = [tiny_engine.encode(t, add_special_tokens=True) for t in PROMPTS]
+    alone = [greedy(engine, ids, 12) for ids in prompts]
+    batch = engine.open_batch([RowSpec(prompt_ids=tuple(prompts[0]), sampling=SamplingParams(temperature=0.0), max_new_tokens=12)])
+    got: list[list[int]] = [[]]
+    for step in range(3 + 12):
+        if step == 3:  # two rows join mid-generation; their prompts prefill beside a decode
+            engine.join(batch, [RowSpec(prompt_ids=tuple(p), sampling=SamplingParams(temperature=0.0), max_new_tokens=12) for p in prompts[1:]])
+            got += [[], []]
+        tokens = engine.step(batch, [None] * len(got))
+        for row, token in zip(got, tokens, strict=True):
+            row.append(token)
+        if step == 11:  # the first row is done: drop it
+            engine.retain(batch, [1, 2])
+            finished = got.pop(0)
+            assert finished == alone[0]
+    engine.close(batch)
+    assert got == alone[1:]
