@@ -7,8 +7,10 @@ Both servers run as subprocesses on 127.0.0.1 and are driven by the same client 
   - 8 concurrent streams: eight streaming requests (different prompts) at once; aggregate
     tok/s = content chunks received / wall time, and how many streams were cut short
     (ended without a finish reason, or with no content).
-Runs alternate between the servers, ``--repeats`` times, and medians are compared.
-llama-cpp-python's server runs with its defaults apart from the model, threads and context.
+Runs alternate between the servers, ``--repeats`` times, and medians are compared. The
+peer runs with ``--interrupt_requests False``: by default it cuts concurrent streams short
+(a 200 with no tokens), which would flatter any comparison; one extra 8-stream run with its
+defaults records how many it cuts.
 
 Usage: python bench/bench_gguf.py [--tokens 128] [--repeats 3]
 """
@@ -52,7 +54,8 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) ->
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+            listed = httpx.get(url + "/v1/models", timeout=2)
+            if listed.status_code == 200 and listed.json().get("data"):  # millm lists the model once it is loaded
                 return
         except httpx.HTTPError:
             pass
@@ -89,8 +92,13 @@ def concurrent_streams(server: Server, tokens: int, streams: int) -> tuple[float
 
     def run(i: int) -> None:
         body = {"model": server.model, "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "max_tokens": tokens, "temperature": 0, "stream": True}
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=600) as resp:
-            for line in resp.iter_lines():
+        try:
+            with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=600) as resp:
+                lines = list(resp.iter_lines())
+        except httpx.HTTPError:  # the server dropped the stream: it counts as cut short
+            return
+        if True:
+            for line in lines:
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
@@ -122,12 +130,17 @@ def main() -> None:
 
     gguf = packaged_gguf()
     env_threads = str(args.threads)
+    peer_args = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--n_threads", env_threads, "--n_ctx", "8192"]
+    port = free_port()
+    default_peer = Server("llama_cpp.server (defaults)", [*peer_args, "--port", str(port)], port)
+    try:
+        one_stream(default_peer, 8)
+        _, default_cut = concurrent_streams(default_peer, args.tokens // 2, args.streams)
+    finally:
+        default_peer.stop()
+    print(f"llama_cpp.server with its defaults: {default_cut}/{args.streams} concurrent streams cut short", flush=True)
     peer_port, millm_port = free_port(), free_port()
-    peer = Server(
-        "llama_cpp.server",
-        [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(peer_port), "--n_threads", env_threads, "--n_ctx", "8192"],
-        peer_port,
-    )
+    peer = Server("llama_cpp.server", [*peer_args, "--port", str(peer_port), "--interrupt_requests", "False"], peer_port)
     ours = Server(
         "millm",
         [sys.executable, "-m", "millm_core.cli", "serve", "--engine", "gguf", "--port", str(millm_port), "--threads", env_threads, "--log-level", "warning", "--db", ":memory:"],
@@ -155,12 +168,14 @@ def main() -> None:
         "tokens": args.tokens,
         "streams": args.streams,
         "medians": med,
+        "peer_defaults_cut_short": default_cut,
         "single_ratio": med["millm"]["single"] / med["llama_cpp.server"]["single"],
         "aggregate_ratio": med["millm"]["aggregate"] / med["llama_cpp.server"]["aggregate"],
     }
     print(f"\n1 stream: millm {med['millm']['single']:.1f} vs llama_cpp.server {med['llama_cpp.server']['single']:.1f} tok/s -> {summary['single_ratio']:.2f}x")
     print(f"{args.streams} streams: millm {med['millm']['aggregate']:.1f} vs llama_cpp.server {med['llama_cpp.server']['aggregate']:.1f} tok/s -> {summary['aggregate_ratio']:.2f}x")
-    print(f"streams cut short (median): millm {med['millm']['cut']:.0f}, llama_cpp.server {med['llama_cpp.server']['cut']:.0f}")
+    print(f"streams cut short (median): millm {med['millm']['cut']:.0f}, llama_cpp.server {med['llama_cpp.server']['cut']:.0f} "
+          f"(with its default settings: {default_cut}/{args.streams})")
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
     with open(os.path.join(os.path.dirname(__file__), "results", "gguf.json"), "w") as fh:
         json.dump(summary, fh, indent=2)

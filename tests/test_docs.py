@@ -15,6 +15,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -46,10 +47,36 @@ def test_docs_have_examples() -> None:
     assert len(blocks()) >= 10
 
 
+@contextlib.contextmanager
+def walkthrough_sae(base_url: str, d_model: int, folder: pathlib.Path) -> Iterator[None]:
+    """The README walkthrough steers with a feature of the SAE it trained on SmolLM2; on the
+    tiny model a random SAE of the same width stands in, attached for that example only."""
+    import httpx
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    arrays = {"W_enc": rng.normal(size=(d_model, 2048)), "b_enc": np.zeros(2048), "W_dec": rng.normal(size=(2048, d_model)), "b_dec": np.zeros(d_model)}
+    save_file({k: v.astype(np.float32) for k, v in arrays.items()}, str(folder / "sae_weights.safetensors"))
+    (folder / "cfg.json").write_text(json.dumps({"d_in": d_model, "d_sae": 2048, "architecture": "standard"}))
+    assert httpx.post(base_url + "/api/saes", json={"path": str(folder), "id": "smollm2-l10"}).status_code == 201
+    httpx.post(base_url + "/api/saes/smollm2-l10/attach", json={"layer": 1})
+    try:
+        yield
+    finally:
+        httpx.delete(base_url + "/api/saes/smollm2-l10")
+
+
 @pytest.mark.parametrize(("page", "index", "lang", "code"), blocks(), ids=[f"{b[0]}#{b[1]}" for b in blocks()])
-def test_example_runs(request: pytest.FixtureRequest, page: str, index: int, lang: str, code: str) -> None:
+def test_example_runs(request: pytest.FixtureRequest, tmp_path: pathlib.Path, tiny_engine, page: str, index: int, lang: str, code: str) -> None:  # type: ignore[no-untyped-def]
     server = request.getfixturevalue("gguf_server" if page == "gguf.md" else "server")
     code = localise(code, server.base_url)
+    setup = walkthrough_sae(server.base_url, tiny_engine.info.d_model, tmp_path) if '"steering"' in code and page == "README.md" else contextlib.nullcontext()
+    with setup:
+        run_example(page, index, lang, code)
+
+
+def run_example(page: str, index: int, lang: str, code: str) -> None:
     if lang == "python":
         out = io.StringIO()
         with contextlib.redirect_stdout(out):

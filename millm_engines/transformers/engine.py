@@ -254,7 +254,6 @@ class TransformersEngine:
 
     # ------------------------------------------------------------------ embeddings
 
-    @torch.inference_mode()
     def _right_padded(self, chunk: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids, attention mask)`` for sequences padded on the right."""
         width = max(len(seq) for seq in chunk)
@@ -265,6 +264,7 @@ class TransformersEngine:
             mask[row, : len(seq)] = 1
         return ids, mask
 
+    @torch.inference_mode()
     def embed(self, inputs: Sequence[Sequence[int]], pooling: str) -> list[list[float]]:
         """Pooled last hidden states, right-padded batches of ``EMBED_BATCH``."""
         base = self.model.base_model
