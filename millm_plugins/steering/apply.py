@@ -115,12 +115,11 @@ def plan_for(request: Any, state: SteeringState, book: ProfileBook, dials: Dials
         return Plan(entries=_nonempty([entry]), epoch=epoch, echo=entry.intensity if dial is not None and entry.applied.features else None)
     try:
         active = book.get(state.active[0]) if state.active else None
-        if active is not None:
-            profile_entry(active, "active", None, state, dials)
+        as_stored = profile_entry(active, "active", None, state, dials) if active else None
     except MillmError:  # deleted or no longer valid underneath: say so, never guess
         return Plan(epoch=epoch, unknown="profile_unreadable")
     if dial is None:
-        entries = ([profile_entry(active, "active", None, state, dials)] if active else []) + _manual(state, 1.0)
+        entries = ([as_stored] if as_stored else []) + _manual(state, 1.0)
         return Plan(entries=_nonempty(entries), epoch=epoch)
     base_empty = not (active.features if active else any(state.manual.values()))
     if is_off(dial):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from millm_core.errors import InvalidRequest, MillmError, NotFound
 from millm_core.store import Store
 
+from .inline import SAENotAttached
 from .profiles import ProfileBook
 from .sae import SAE, load_sae
 
@@ -67,8 +68,6 @@ class SteeringState:
     def entry(self, sae_id: str, layer: int | None) -> Entry:
         """The attachment ``(sae_id, layer)`` a write names; ``layer`` may be omitted when
         the SAE is attached at exactly one layer."""
-        from .inline import SAENotAttached
-
         self.get(sae_id)
         layers = self.layers_of(sae_id)
         if layer is None:
