@@ -193,7 +193,8 @@ async def import_profiles(request: Request) -> Response:
         raise InvalidRequest("the document names a profile twice", param="profiles")
     replace = _replace(request)
     if not replace:
-        existing = [n for n in names if n in {p.name for p in state.book.all()}]
+        stored = {p.name for p in state.book.all()}
+        existing = [n for n in names if n in stored]
         if existing:
             raise ProfileExists(f"profiles {existing} exist; import with ?replace=true to overwrite", param="profiles")
     for profile in body.profiles:
