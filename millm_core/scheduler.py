@@ -201,9 +201,9 @@ class Scheduler:
             return
         run = _Run(self)
         batch = None
+        run.start(first)  # before open_batch: a batch that cannot open fails this job, never strands it
         try:
             batch = engine.open_batch(first.rows)
-            run.start(first)
             joinable = engine if isinstance(engine, Joinable) else None
             while run.slots:
                 for job in run.cancelled_jobs():

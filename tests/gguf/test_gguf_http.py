@@ -87,6 +87,12 @@ def test_scoring_and_float32_scoring_are_refused(gguf_server) -> None:  # type: 
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "field_not_honoured", resp.text
 
 
+def test_more_prompts_than_sequences_is_a_clear_error(gguf_server, gguf_model) -> None:  # type: ignore[no-untyped-def]
+    resp = post(gguf_server, "/v1/completions", model="tiny:F32", prompt=["x"] * (gguf_model.engine.parallel + 1), max_tokens=2)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text
+    assert chat(gguf_server).status_code == 200  # the scheduler goes on
+
+
 def test_context_length_is_measured_before_llama_cpp(gguf_server, gguf_model) -> None:  # type: ignore[no-untyped-def]
     limit = gguf_model.info.context_length
     resp = post(gguf_server, "/v1/completions", model="tiny:F32", prompt="word " * (limit + 10), max_tokens=4)
