@@ -192,3 +192,31 @@ def test_concurrent_streams_share_batches_and_each_gets_its_own_text(gguf_server
     tokens = after["scheduler"]["generated_tokens"] - before["scheduler"]["generated_tokens"]
     steps = after["scheduler"]["steps"] - before["scheduler"]["steps"]
     assert steps < tokens, "concurrent requests should share decode steps"
+
+
+def test_a_stream_leaving_a_shared_batch_frees_only_its_row(make_server, gguf_model) -> None:  # type: ignore[no-untyped-def]
+    from millm_core.config import load_settings
+    from millm_core.server.app import build_host
+
+    from ..http.helpers import GatePlugin
+
+    host = build_host(load_settings(environ={}))
+    slow = GatePlugin(delay=0.01)  # 10 ms a token, so both requests are surely running together
+    slow.gate.set()
+    host.register(slow, "slow")
+    with make_server(host=host, models=[gguf_model]) as srv:
+        stay_body = {"model": "tiny:F32", "prompt": "The capital of France is", "max_tokens": 40, "temperature": 0}
+        alone = post(srv, "/v1/completions", **stay_body).json()["choices"][0]["text"]
+        result: dict[str, Any] = {}
+        stayer = threading.Thread(target=lambda: result.__setitem__("stay", post(srv, "/v1/completions", **stay_body).json()))
+        leave_body = {"model": "tiny:F32", "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True}
+        with httpx.stream("POST", srv.base_url + "/v1/completions", json=leave_body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            next(lines)
+            stayer.start()
+            for _ in range(10):
+                next(lines)
+        stayer.join(60)
+        stats = httpx.get(srv.base_url + "/api/health/inference").json()["scheduler"]
+    assert result["stay"]["choices"][0]["text"] == alone
+    assert stats["cancelled_rows"] == 1 and stats["active_rows"] == 0 and stats["running_jobs"] == 0
