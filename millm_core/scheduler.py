@@ -10,9 +10,10 @@ The worker thread is the only thread that runs model code: loading included (see
 gets its own thread team, and the two teams then slow each other down for good (measured
 here: 27 → 19 tok/s on a 135M-parameter model after one call from another thread).
 
-On an engine that is :class:`~millm_core.engine.Joinable` (the GGUF engine), jobs queued
-for the same engine join the running batch between steps while the engine has room:
-concurrent requests then share each forward pass. Other engines run one job per batch.
+On an engine that is :class:`~millm_core.engine.Joinable` (the GGUF engine; the
+transformers engine on its lean decode step), jobs queued for the same engine join the
+running batch between steps while the engine says they fit: concurrent requests then share
+each forward pass. Otherwise a batch holds one job's rows.
 """
 
 from __future__ import annotations

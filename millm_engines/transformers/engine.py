@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,6 +56,8 @@ class HFBatch:
     draw_pos: list[int] | None = None
     # layer -> [rows, d_model] steering deltas (zero rows for unsteered rows).
     deltas: dict[int, torch.Tensor] | None = None
+    # Rows of other requests that joined after the prefill: prefilled at the next step.
+    joining: list[HFBatch] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -63,9 +65,12 @@ class HFBatch:
 
 
 class TransformersEngine:
-    """An :class:`~millm_core.engine.Engine` over a transformers causal LM."""
+    """An :class:`~millm_core.engine.Engine` over a transformers causal LM. With the lean
+    decode step it is also :class:`~millm_core.engine.Joinable`: rows of other requests
+    join a running batch, their prompts prefilled beside the others' decode step."""
 
     capabilities = CAPABILITIES
+    max_rows = 16  # rows one joined batch may hold
 
     def __init__(
         self,
@@ -84,6 +89,7 @@ class TransformersEngine:
         self.device = next(model.parameters()).device
         pad = tokenizer.pad_token_id
         self._pad_id = int(pad if pad is not None else next(iter(eos_token_ids), 0))
+        self._rows = 0  # rows in the open batch (the scheduler runs one at a time)
 
     # ------------------------------------------------------------------ text
 
@@ -99,6 +105,10 @@ class TransformersEngine:
     # ------------------------------------------------------------------ batches
 
     def open_batch(self, rows: Sequence[RowSpec]) -> HFBatch:
+        self._rows = len(rows)
+        return self._new_batch(rows)
+
+    def _new_batch(self, rows: Sequence[RowSpec]) -> HFBatch:
         batch = HFBatch(prompts=[r.prompt_ids for r in rows], params=[r.sampling for r in rows])
         layers = sorted({layer for r in rows for layer in r.deltas})
         if layers:
@@ -136,6 +146,11 @@ class TransformersEngine:
             logits = self._prefill(batch)
         else:
             logits = self._decode(batch)
+        joining, batch.joining = batch.joining, []
+        for sub in joining:  # each joined request's prompts, prefilled on their own
+            sub.started = True
+            logits = torch.cat([logits, self._prefill(sub)])
+            self._merge(batch, sub)
         logits = logits.float()
         if any(biases):
             apply_biases(logits, biases)
@@ -144,6 +159,45 @@ class TransformersEngine:
         batch.last_tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)
         batch.draw_pos = [p + 1 for p in batch.draw_pos]
         return tokens
+
+    # ------------------------------------------------------------------ joining
+
+    def can_join(self, rows: Sequence[RowSpec]) -> bool:
+        """Only on the lean decode step, whose KV cache can be merged, and up to
+        ``max_rows`` rows in all."""
+        return self.fast is not None and self._rows + len(rows) <= self.max_rows
+
+    def join(self, batch: HFBatch, rows: Sequence[RowSpec]) -> None:
+        self._rows += len(rows)
+        batch.joining.append(self._new_batch(rows))
+
+    def _merge(self, batch: HFBatch, sub: HFBatch) -> None:
+        """Append a freshly prefilled ``sub`` to a running ``batch``: KV caches and masks
+        right-aligned to the longer one, positions and deltas per row."""
+        assert batch.kv is not None and sub.kv is not None and batch.next_pos is not None and sub.next_pos is not None
+        ra, rb = batch.size, sub.size
+        length = max(batch.kv.length, sub.kv.length)
+        if batch.mask is not None or sub.mask is not None or batch.kv.length != sub.kv.length:
+            mask = torch.zeros((ra + rb, length), dtype=torch.long, device=self.device)
+            mask[:ra, length - batch.kv.length :] = batch.mask if batch.mask is not None else 1
+            mask[ra:, length - sub.kv.length :] = sub.mask if sub.mask is not None else 1
+            batch.mask = mask
+        batch.kv = KVCache.merge(batch.kv, sub.kv)
+        batch.next_pos = torch.cat([batch.next_pos, sub.next_pos])
+        assert batch.draw_pos is not None and sub.draw_pos is not None
+        batch.draw_pos = batch.draw_pos + sub.draw_pos
+        batch.prompts += sub.prompts
+        batch.params += sub.params
+        if batch.deltas or sub.deltas:
+            layers = set(batch.deltas or {}) | set(sub.deltas or {})
+            dtype = next(self.model.parameters()).dtype
+
+            def rows_of(deltas: dict[int, torch.Tensor] | None, layer: int, count: int) -> torch.Tensor:
+                if deltas and layer in deltas:
+                    return deltas[layer]
+                return torch.zeros((count, self.info.d_model), dtype=dtype, device=self.device)
+
+            batch.deltas = {layer: torch.cat([rows_of(batch.deltas, layer, ra), rows_of(sub.deltas, layer, rb)]) for layer in layers}
 
     def _prefill(self, batch: HFBatch) -> torch.Tensor:
         lengths = [len(p) for p in batch.prompts]
@@ -197,6 +251,7 @@ class TransformersEngine:
         return out.logits[:, -1, :]
 
     def retain(self, batch: HFBatch, keep: Sequence[int]) -> None:
+        self._rows = len(keep) + sum(sub.size for sub in batch.joining)
         index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
         batch.prompts = [batch.prompts[i] for i in keep]
         batch.params = [batch.params[i] for i in keep]
@@ -312,6 +367,8 @@ class TransformersEngine:
         return out
 
     def close(self, batch: HFBatch) -> None:
+        self._rows = 0
+        batch.joining = []
         batch.cache = None
         batch.kv = None
         batch.mask = None

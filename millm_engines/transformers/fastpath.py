@@ -122,6 +122,22 @@ class KVCache:
         self.keys = [k.index_select(0, index) for k in self.keys]
         self.values = [v.index_select(0, index) for v in self.values]
 
+    @classmethod
+    def merge(cls, first: KVCache, second: KVCache) -> KVCache:
+        """``first``'s rows then ``second``'s, right-aligned to the longer length (the
+        shorter one's new left columns are zeros, which the attention mask hides)."""
+        length = max(first.length, second.length)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for out, pairs in ((keys, zip(first.keys, second.keys, strict=True)), (values, zip(first.values, second.values, strict=True))):
+            for a, b in pairs:
+                rows = a.shape[0] + b.shape[0]
+                merged = a.new_zeros((rows, a.shape[1], length + _GROW, a.shape[3]))
+                merged[: a.shape[0], :, length - first.length : length] = a[:, :, : first.length]
+                merged[a.shape[0] :, :, length - second.length : length] = b[:, :, : second.length]
+                out.append(merged)
+        return cls(keys, values, length)
+
 
 class LlamaDecoder:
     """The lean decode step; build once per loaded model."""

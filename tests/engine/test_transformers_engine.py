@@ -91,3 +91,43 @@ def test_model_without_template_uses_documented_fallback(no_template_model) -> N
     assert generic_chat_text(messages) == "system: Be brief.\nuser: hi\nassistant:"
     expected = engine.tokenizer(generic_chat_text(messages), add_special_tokens=True)["input_ids"]
     assert engine.render_chat(messages) == expected
+
+
+def test_rows_joining_a_running_batch_get_what_they_get_alone(tiny_engine) -> None:  # type: ignore[no-untyped-def]
+    """Continuous batching: rows of later requests (ragged, one steered, one sampled) join
+    between steps, before and after the first one, and each row gets its solo output."""
+    assert tiny_engine.fast is not None and tiny_engine.can_join([])
+    texts = ("The capital of France is", "x", "import json\nimport os", "def f(a, b):")
+    prompts = [tiny_engine.encode(t, add_special_tokens=True) for t in texts]
+    delta = {1: tuple(float(v) for v in torch.linspace(-3.0, 3.0, tiny_engine.info.d_model))}
+    specs = [
+        RowSpec(prompt_ids=tuple(prompts[0]), sampling=GREEDY),
+        RowSpec(prompt_ids=tuple(prompts[1]), sampling=GREEDY, deltas=delta),
+        RowSpec(prompt_ids=tuple(prompts[2]), sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=11)),
+        RowSpec(prompt_ids=tuple(prompts[3]), sampling=GREEDY),
+    ]
+
+    def alone(spec: RowSpec, steps: int) -> list[int]:
+        batch = tiny_engine.open_batch([spec])
+        try:
+            return [tiny_engine.step(batch, [None])[0] for _ in range(steps)]
+        finally:
+            tiny_engine.close(batch)
+
+    expected = [alone(spec, 12) for spec in specs]
+    batch = tiny_engine.open_batch([specs[0]])
+    tiny_engine.join(batch, [specs[1]])  # joins before the first step
+    got: list[list[int]] = [[], []]
+    for step in range(16):
+        if step == 4:  # two more join mid-generation: their prefill runs beside a decode step
+            tiny_engine.join(batch, specs[2:])
+            got += [[], []]
+        tokens = tiny_engine.step(batch, [None] * len(got))
+        for row, token in zip(got, tokens, strict=True):
+            row.append(token)
+        if step == 11:  # the first two are done
+            tiny_engine.retain(batch, [2, 3])
+            assert got[:2] == expected[:2]
+            got = got[2:]
+    tiny_engine.close(batch)
+    assert got == expected[2:]

@@ -169,7 +169,7 @@ def test_error_mid_stream_is_an_event_then_done(make_server) -> None:  # type: i
     host = build_host(load_settings(environ={}))
     host.register(BoomPlugin(after=3), "boom")
     with make_server(host=host) as srv:
-        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 30, "stream": True}
+        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 30, "stream": True, "temperature": 0}  # greedy: no early EOS by chance
         with httpx.stream("POST", srv.base_url + "/v1/chat/completions", json=body) as resp:
             assert resp.status_code == 200
             chunks = json_frames(resp.read())

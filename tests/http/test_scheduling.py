@@ -85,3 +85,24 @@ def test_body_over_the_limit_is_413(make_server) -> None:  # type: ignore[no-unt
         with pytest.raises(openai.APIStatusError) as info:
             client.chat.completions.create(model="tiny", messages=big["messages"])
         assert info.value.status_code == 413
+
+
+def test_concurrent_requests_share_decode_steps_and_keep_their_text(server) -> None:  # type: ignore[no-untyped-def]
+    prompts = [f"Item {i}: the sea" for i in range(5)]
+
+    def complete(prompt: str) -> str:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0}
+        return str(httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"])
+
+    alone = [complete(p) for p in prompts]
+    before = _stats(server.base_url)
+    results: dict[int, str] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, complete(prompts[i]))) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    after = _stats(server.base_url)
+    assert [results[i] for i in range(len(prompts))] == alone
+    assert after["steps"] - before["steps"] < after["generated_tokens"] - before["generated_tokens"]
+    assert httpx.get(server.base_url + "/api/health/inference").json()["backend"] == "batched"
