@@ -44,6 +44,7 @@ test-fast: $(VENV)/.dev
 bench: $(VENV)/.dev
 	$(PY) bench/bench_decode.py $(ARGS)
 	$(PY) bench/bench_scoring.py
+	$(PY) bench/bench_concurrency.py
 	$(PY) bench/bench_gguf.py
 
 lint: $(VENV)/.dev
