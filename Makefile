@@ -49,7 +49,8 @@ bench: $(VENV)/.dev
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check millm_core millm_engines millm_plugins
-	$(VENV)/bin/mypy millm_core millm_engines millm_plugins
+	$(VENV)/bin/mypy --strict millm_core
+	$(VENV)/bin/mypy --disallow-untyped-defs millm_engines millm_plugins
 
 schemas: $(VENV)/.base
 	$(PY) -m millm_core.openapi docs/schemas/openapi.json

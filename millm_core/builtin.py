@@ -38,6 +38,8 @@ def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
 @hookimpl
 def millm_validate(ctx: RequestContext, request: Any) -> Iterable[Problem]:
     problems: list[Problem] = []
+    if ctx.endpoint == "embeddings":
+        return problems
     max_tokens, max_completion = request.max_tokens, request.max_completion_tokens
     if _sent(max_tokens) and _sent(max_completion) and max_tokens != max_completion:
         problems.append(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import structlog
 
@@ -34,14 +34,13 @@ _HELP = {
     "max_queue": "requests allowed to wait; more are refused with 503 queue_full (default 64)",
     "max_body_bytes": "largest request body accepted; larger is 413 (default 4 MiB)",
     "default_max_tokens": "completion budget when a request sends no max_tokens (default 1024)",
-    "threads": "torch intra-op threads (default: torch's own choice)",
-    "fast_decode": "true | false: the engine's lean decode step where it supports the architecture (default true)",
+    "threads": "CPU threads model code uses (default: the engine library's own choice)",
     "cache_dir": "where converted models are cached (default ~/.cache/millm)",
     "db": "the SQLite database for what persists (default ~/.local/share/millm/millm.db)",
 }
 
 
-def _add_settings_flags(parser: argparse.ArgumentParser, plugin_settings: Sequence[PluginSetting]) -> None:
+def _add_settings_flags(parser: argparse.ArgumentParser, plugin_settings: Sequence[PluginSetting[Any]]) -> None:
     for field in PARSERS:
         flag = "--" + field.replace("_", "-")
         parser.add_argument(flag, dest=field, default=None, help=f"{_HELP.get(field, '')} [{env_name(field)}]")
@@ -53,7 +52,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser, plugin_settings: Sequen
             group.add_argument(flag, dest=setting.name, default=None, type=setting.parse, help=help_text)
 
 
-def build_parser(plugin_settings: Sequence[PluginSetting] = (), commands: Sequence[Command] = ()) -> argparse.ArgumentParser:
+def build_parser(plugin_settings: Sequence[PluginSetting[Any]] = (), commands: Sequence[Command] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="millm", description="An OpenAI-compatible model server for interpretability research")
     parser.add_argument("--version", action="version", version=f"millm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,7 +63,7 @@ def build_parser(plugin_settings: Sequence[PluginSetting] = (), commands: Sequen
     return parser
 
 
-def _overrides(args: argparse.Namespace, plugin_settings: Sequence[PluginSetting]) -> dict[str, object]:
+def _overrides(args: argparse.Namespace, plugin_settings: Sequence[PluginSetting[Any]]) -> dict[str, object]:
     out: dict[str, object] = {s.name: getattr(args, s.name) for s in plugin_settings if getattr(args, s.name, None) is not None}
     for field, parse in PARSERS.items():
         raw = getattr(args, field, None)
@@ -101,7 +100,15 @@ async def _serve(settings: Settings) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     log.info("listening", url=f"http://{settings.host}:{settings.port}/v1")
-    await serve(app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+    try:
+        await serve(app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+    except Exception:
+        # A start-up failure (database, a plugin's migrations) is the operator's to fix:
+        # say what it was, without a traceback.
+        error = getattr(app.state, "startup_error", None)
+        if error:
+            raise ConfigError(f"the server did not start: {error}") from None
+        raise
 
 
 def _models(settings: Settings) -> None:
@@ -116,9 +123,6 @@ def _models(settings: Settings) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # millm never downloads: make the Hugging Face libraries fail instead of fetching.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
         from .plugins import PluginHost
 

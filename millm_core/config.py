@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar, cast
 
 import msgspec
 
 from .errors import ConfigError
+
+T = TypeVar("T")
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -32,7 +34,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     max_body_bytes: int = 4 * 1024 * 1024
     default_max_tokens: int = 1024
     threads: int | None = None
-    fast_decode: bool = True
     cache_dir: str | None = None
     db: str | None = None
     # Values of the settings plugins declared through ``millm_register_settings``.
@@ -44,14 +45,20 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 
 @dataclass(frozen=True)
-class PluginSetting:
+class PluginSetting(Generic[T]):
     """A setting a plugin declares; it becomes ``--<name>`` and ``MILLM_<NAME>`` like the
-    core's own, and its value is ``settings.plugin(name)``."""
+    core's own. Keep the declaration and read the typed value with
+    ``SETTING.get(settings)``. ``parse`` turns the flag's or variable's text into a value,
+    raising ``ValueError`` for a bad one."""
 
     name: str
-    default: Any
+    default: T
     help: str = ""
-    parse: Callable[[str], Any] = str
+    parse: Callable[[str], T] = str  # type: ignore[assignment]
+
+    def get(self, settings: Settings) -> T:
+        """This setting's value in ``settings`` (its default when not set)."""
+        return cast(T, settings.plugin_values.get(self.name, self.default))
 
 
 # flag name -> (settings field, parser). One table serves env vars and CLI flags.
@@ -89,7 +96,6 @@ PARSERS: Mapping[str, object] = {
     "max_body_bytes": int,
     "default_max_tokens": int,
     "threads": _opt_int,
-    "fast_decode": parse_bool,
     "cache_dir": str,
     "db": str,
 }
@@ -100,7 +106,7 @@ def env_name(field: str) -> str:
 
 
 def _plugin_values(
-    declared: Sequence[PluginSetting], overrides: Mapping[str, object], environ: Mapping[str, str]
+    declared: Sequence[PluginSetting[Any]], overrides: Mapping[str, object], environ: Mapping[str, str]
 ) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for setting in declared:
@@ -121,7 +127,7 @@ def _plugin_values(
 def load_settings(
     overrides: Mapping[str, object] | None = None,
     environ: Mapping[str, str] | None = None,
-    plugin_settings: Sequence[PluginSetting] = (),
+    plugin_settings: Sequence[PluginSetting[Any]] = (),
 ) -> Settings:
     """Build settings from ``MILLM_*`` environment variables, then ``overrides`` (flags).
     ``plugin_settings`` are the settings plugins declared; their values land in

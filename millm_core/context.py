@@ -1,13 +1,22 @@
-"""Per-request state: the RequestContext that every request hook receives, and a typed
-stash where plugins keep their own per-request state (after pytest's ``Stash``)."""
+"""The two contexts hooks receive: :class:`AppContext` (the application's shared objects,
+one per server, created before start-up hooks run) and :class:`RequestContext` (one
+request's), each with a typed :class:`Stash` where plugins keep their own state (after
+pytest's ``Stash``)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar, cast
 
 from .config import Settings
+
+if TYPE_CHECKING:
+    from .registry import ModelRegistry
+    from .store import Store
 
 T = TypeVar("T")
 
@@ -46,6 +55,37 @@ class Stash:
     def __contains__(self, key: StashKey[Any]) -> bool:
         return key in self._data
 
+    def setdefault(self, key: StashKey[T], factory: Callable[[], T]) -> T:
+        """The value under ``key``, created with ``factory()`` the first time."""
+        if key not in self._data:
+            self._data[key] = factory()
+        return cast(T, self._data[key])
+
+
+class ModelThread(Protocol):
+    """The one thread that runs model code (the scheduler's)."""
+
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` on the model thread between decode steps; its result or error
+        arrives on the future."""
+
+
+@dataclass
+class AppContext:
+    """What a plugin may reach of the running server: its settings, the served models,
+    the database, the model thread and a stash for the plugin's own state. Created once
+    per app, before ``millm_startup``; the same object is ``RequestContext.app``."""
+
+    settings: Settings
+    models: ModelRegistry
+    store: Store
+    model_thread: ModelThread
+    stash: Stash = field(default_factory=lambda: Stash())
+
+    async def run_model(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the model thread (all model code runs there) and await it."""
+        return await asyncio.wrap_future(self.model_thread.call(fn))
+
 
 @dataclass
 class RequestContext:
@@ -59,13 +99,12 @@ class RequestContext:
     endpoint: Endpoint
     settings: Settings
     headers: dict[str, str]
+    app: AppContext
     stream: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     response_headers: dict[str, str] = field(default_factory=dict)
     ignored_fields: list[str] = field(default_factory=list)
     stash: Stash = field(default_factory=Stash)
-    # The app's shared state (``AppState``): plugins reach their runtime state through it.
-    services: Any = None
 
     def set_header(self, name: str, value: str) -> None:
         self.response_headers[name] = value

@@ -87,6 +87,17 @@ class RowSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     max_new_tokens: int = 0  # the row's token budget (0: unknown), for engines that reserve memory
 
 
+@dataclass(frozen=True)
+class Capacity:
+    """What an engine can hold at once, declared so that admission refuses a request that
+    could never fit before a stream's 200 (never from inside a step). ``max_rows``: rows
+    (sequences) in one batch; ``max_tokens``: prompt plus budget over all of a request's
+    rows (KV cells); None means no fixed limit."""
+
+    max_rows: int | None = None
+    max_tokens: int | None = None
+
+
 @runtime_checkable
 class TokenProcessor(Protocol):
     """The per-token stage. Processors are contributed in ``millm_pre_forward`` (one
@@ -132,10 +143,12 @@ class Engine(Protocol):
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens skipped."""
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
         """Token ids of a chat ready for the assistant's turn. A render that already
         begins with the BOS token gets no second one; otherwise the tokenizer's own rule
-        applies. A model without a chat template uses a documented generic format."""
+        applies. A model without a chat template uses a documented generic format.
+        ``template_kwargs`` are the request's ``chat_template_kwargs`` (template
+        variables); an engine without :attr:`Capability.CHAT_TEMPLATE_KWARGS` gets none."""
 
     def open_batch(self, rows: Sequence[RowSpec]) -> Batch:
         """Prepare rows for stepping; the first :meth:`step` runs the prefill."""

@@ -64,6 +64,8 @@ class NotFound(MillmError):
 
 
 class ModelNotFound(NotFound):
+    """404: no served model has the requested name."""
+
     code = "model_not_found"
 
 
@@ -95,14 +97,34 @@ class ServiceUnavailable(MillmError):
 
 
 class ModelNotLoaded(ServiceUnavailable):
+    """503: the model is still loading, or failed to load (readiness says which)."""
+
     code = "model_not_loaded"
 
 
 class QueueFull(ServiceUnavailable):
+    """503: more requests wait than ``--max-queue`` allows."""
+
     code = "queue_full"
 
 
+class CapacityExceeded(InvalidRequest):
+    """400: the request needs more than the engine can ever hold at once (rows, KV cells);
+    refused before anything runs. Engines raise it naming the request field to change."""
+
+    code = "capacity_exceeded"
+
+
+class OutOfMemory(ServiceUnavailable):
+    """503: the device ran out of memory for this request; retrying later, or with a
+    smaller request, may succeed."""
+
+    code = "insufficient_memory"
+
+
 class InternalError(MillmError):
+    """500: an unexpected failure; its details are in the server's log."""
+
     status = 500
     type = "server_error"
     code = "internal_error"

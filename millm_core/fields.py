@@ -17,7 +17,10 @@ from typing import Any
 import msgspec
 
 from .context import Endpoint
+from .contracts.known import KNOWN_FIELDS
+from .contracts.known import is_neutral as known_neutral
 from .engine import Capability
+from .requestfields import RequestField
 
 ALL_ENDPOINTS: tuple[Endpoint, ...] = ("chat.completions", "completions")  # the generation endpoints
 
@@ -34,45 +37,43 @@ class FieldRule:
     condition: str = ""
 
 
-def _is_neutral_default(value: Any) -> bool:
-    return value is None or value is msgspec.UNSET
-
-
-# Values that ask for what the server does anyway, per field.
-NEUTRAL: Mapping[str, Callable[[Any], bool]] = {
+# OpenAI fields the core declares, and the values of them that ask for nothing.
+CORE_NEUTRAL: Mapping[str, Callable[[Any], bool]] = {
     "n": lambda v: v == 1,
-    "logprobs": lambda v: v is False,
-    "response_format": lambda v: isinstance(v, dict) and v == {"type": "text"},
-    "tools": lambda v: v == [],
-    "tool_choice": lambda v: v == "none",
-    "parallel_tool_calls": lambda v: v is True,
-    "logit_bias": lambda v: v == {},
-    "scoring_precision": lambda v: v == "native",
     "stream": lambda v: v is False,
-    "echo": lambda v: v is False,
-    "best_of": lambda v: v == 1,
-    "return_tokens_as_token_ids": lambda v: v is False,
 }
 
 
-def is_neutral(name: str, value: Any) -> bool:
-    if _is_neutral_default(value):
-        return True
-    check = NEUTRAL.get(name)
-    return bool(check and check(value))
-
-
 class FieldPolicy:
-    """The assembled rules, built once at start-up from every enabled plugin."""
+    """The assembled rules and plugin-owned fields, built once at start-up from every
+    enabled plugin. Owning a field (:class:`~millm_core.requestfields.RequestField`)
+    is a rule honouring it; plugins may add rules for other fields (``FieldRule``)."""
 
     def __init__(self) -> None:
         self._rules: dict[str, list[FieldRule]] = {}
+        self._owned: dict[tuple[str, Endpoint], RequestField[Any]] = {}
 
     def register(self, rule: FieldRule) -> None:
         self._rules.setdefault(rule.field, []).append(rule)
 
+    def own(self, field: RequestField[Any]) -> None:
+        """Record a plugin-owned field and the rule its ownership implies."""
+        for endpoint in field.endpoints:
+            self._owned[(field.name, endpoint)] = field
+        self.register(FieldRule(field.name, field.endpoints, by=field.owner, requires=field.requires, condition=field.condition))
+
     def rules(self) -> Mapping[str, list[FieldRule]]:
         return self._rules
+
+    def is_neutral(self, name: str, endpoint: Endpoint, value: Any) -> bool:
+        """Whether ``value`` of field ``name`` asks for nothing on ``endpoint``."""
+        if value is None or value is msgspec.UNSET:
+            return True
+        owned = self._owned.get((name, endpoint))
+        if owned is not None:
+            return owned.is_neutral(value)
+        check = CORE_NEUTRAL.get(name)
+        return bool(check and check(value))
 
     def honours(self, name: str, endpoint: Endpoint, capabilities: frozenset[Capability]) -> bool:
         return any(
@@ -93,12 +94,18 @@ class FieldPolicy:
         for name in request.__struct_fields__:
             if name in skip:
                 continue
-            value = getattr(request, name)
-            if is_neutral(name, value):
+            if self.is_neutral(name, endpoint, getattr(request, name)):
                 continue
             if not self.honours(name, endpoint, capabilities):
                 refused.append(name)
         return refused
+
+
+def known_refusals(raw: Mapping[str, Any], declared: Iterable[str]) -> list[str]:
+    """Top-level keys of a body that the endpoint does not declare but that are known to
+    change the output, sent with a non-neutral value: nothing enabled can honour them."""
+    have = set(declared)
+    return [name for name, value in raw.items() if name not in have and name in KNOWN_FIELDS and not known_neutral(name, value)]
 
 
 class PolicyCell(msgspec.Struct, frozen=True, kw_only=True):
@@ -119,15 +126,20 @@ def policy_table(
     engines: Iterable[tuple[str, frozenset[Capability]]],
     structural: Iterable[str],
 ) -> list[PolicyCell]:
-    """Every declared request field of every endpoint, on every engine: honoured (by
-    whom, under which condition) or refused (and why). Fields a contract does not declare
-    are never in the table: they cannot change the output and are always reported."""
+    """Every declared request field of every endpoint, and every known output-changing
+    field it does not declare, on every engine: honoured (by whom, under which condition)
+    or refused (and why). Other fields are never in the table: they cannot change the
+    output and are always reported."""
     structural = set(structural)
     cells: list[PolicyCell] = []
     engine_list = list(engines)
     for endpoint, contract in contracts.items():
-        for name in contract.__struct_fields__:
+        declared = list(contract.__struct_fields__)
+        for name in declared + sorted(set(KNOWN_FIELDS) - set(declared)):
             for engine, caps in engine_list:
+                if name not in declared:
+                    cells.append(PolicyCell(field=name, endpoint=endpoint, engine=engine, status="refused", reason="no enabled plugin declares it on this endpoint"))
+                    continue
                 if name in structural:
                     cells.append(PolicyCell(field=name, endpoint=endpoint, engine=engine, status="honoured", by="core"))
                     continue

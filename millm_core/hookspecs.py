@@ -1,10 +1,14 @@
 """Every millm hook, in the order a server meets them.
 
-Start-up hooks run once while the app starts; request hooks run for every chat or text
-completion, in this order: ``millm_resolve`` → (the core's field-policy check against
-the resolved engine) → ``millm_validate`` → ``millm_execute`` (who serves it); for generation then ``millm_pre_forward`` → (the per-token stage: the
+Registration hooks run while the app is built; lifecycle hooks when it starts, when a
+model is loaded and when it stops. Request hooks run for every request to
+``/v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings``, in this order:
+``millm_resolve`` → (the core's field-policy check against the resolved engine) →
+``millm_validate`` → ``millm_execute`` (who serves it). For generation then
+``millm_pre_forward`` → (the per-token stage: the
 :class:`~millm_core.engine.TokenProcessor` objects contributed in pre-forward, run by the
-core at every decode step) → ``millm_finalize``.
+core at every decode step) → ``millm_finalize``; for a computed reply (scoring,
+embeddings) ``millm_finalize`` follows the computation.
 
 Contribution hooks take a ``register`` callback rather than returning values, so that
 one plugin can contribute several things and the call site stays typed. Call hooks only
@@ -13,21 +17,20 @@ through :class:`millm_core.plugins.PluginHost`, with keyword arguments.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 if TYPE_CHECKING:
-    from starlette.responses import Response
-
     from .commands import Command
     from .config import PluginSetting, Settings
-    from .context import RequestContext
-    from .engine import EngineFactory, ModelSource
+    from .context import AppContext, RequestContext
+    from .engine import EngineFactory, ModelLocation, ModelSource
     from .fields import FieldRule
-    from .pipeline_types import Finalization, ForwardPlan, Outcome, Problem
+    from .pipeline_types import Execution, Finalization, ForwardPlan, Outcome, Problem
     from .registry import ModelRegistry, ServedModel
+    from .requestfields import RequestField
 
 PROJECT = "millm"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -56,6 +59,17 @@ def millm_register_model_sources(register: Callable[[ModelSource], None]) -> Non
 
 
 @hookspec(firstresult=True)
+def millm_locate_model(name: str, settings: Settings) -> ModelLocation | None:
+    """Find a model that ``--model`` names and that is neither a local path nor a
+    registered :class:`~millm_core.engine.ModelSource` (for example an entry of the local
+    Hugging Face cache). Never download anything.
+
+    Return: its location, or None to let another plugin answer. The first non-None
+    answer wins.
+    """
+
+
+@hookspec(firstresult=True)
 def millm_default_model(settings: Settings) -> str | None:
     """Name the model served when the operator names none (``--model`` absent).
 
@@ -65,10 +79,11 @@ def millm_default_model(settings: Settings) -> str | None:
 
 
 @hookspec
-def millm_register_settings(register: Callable[[PluginSetting], None]) -> None:
-    """Declare settings: ``register(PluginSetting(name, default, help, parse))``. Each
-    becomes a ``millm serve --<name>`` flag and a ``MILLM_<NAME>`` environment variable;
-    read the value with ``ctx.settings.plugin(name)``. Names must not shadow a core
+def millm_register_settings(register: Callable[[PluginSetting[Any]], None]) -> None:
+    """Declare settings: ``register(SETTING)`` with ``SETTING = PluginSetting(name,
+    default, help, parse)``. Each becomes a ``millm serve --<name>`` flag and a
+    ``MILLM_<NAME>`` environment variable; read the typed value with
+    ``SETTING.get(settings)``. Names must not shadow a core
     setting or another plugin's.
 
     Return: nothing. Declared by every installed plugin, enabled or not, so that the
@@ -83,6 +98,20 @@ def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
     ``400 field_not_honoured``.
 
     Return: nothing.
+    """
+
+
+@hookspec
+def millm_register_request_fields(register: Callable[[RequestField[Any]], None]) -> None:
+    """Declare the request fields this plugin owns: ``register(RequestField(name, type,
+    endpoints, owner, neutral=…, requires=…))``. The core joins them onto each endpoint's
+    request type at start-up, so they are decoded and range-checked in the one typed pass,
+    published in ``/v1/openapi.json``, listed in ``/api/policy`` and honoured on the
+    endpoints named (when the engine has ``requires``). Read a value with
+    ``FIELD.get(request)``. A name the core or another enabled plugin already declares on
+    an endpoint stops the server at start-up.
+
+    Return: nothing. Called only for enabled plugins.
     """
 
 
@@ -110,8 +139,8 @@ def millm_register_commands(register: Callable[[Command], None]) -> None:
 @hookspec
 def millm_register_routes(register: Callable[..., None]) -> None:
     """Add HTTP routes: ``register(path, endpoint, methods, doc=None)`` with a Starlette
-    endpoint ``async def endpoint(request) -> Response``. Shared objects are on
-    ``request.app.state.millm``. A ``doc`` (:class:`~millm_core.openapi.RouteDoc`: summary,
+    endpoint ``async def endpoint(request) -> Response``. The application context is
+    ``millm_core.api.app_context(request)``. A ``doc`` (:class:`~millm_core.openapi.RouteDoc`: summary,
     request and response Structs, status, error statuses) puts the route in the served
     OpenAPI document; raise :class:`~millm_core.errors.MillmError` subclasses for errors so
     they take the API's error shape.
@@ -120,19 +149,40 @@ def millm_register_routes(register: Callable[..., None]) -> None:
     """
 
 
-# ---------------------------------------------------------------- request hooks
+# ---------------------------------------------------------------- lifecycle hooks
 
 
 @hookspec
-def millm_validate(ctx: RequestContext, request: Any) -> Iterable[Problem] | None:
-    """Check a decoded request before anything runs. ``request`` is a
-    :class:`~millm_core.contracts.chat.ChatCompletionRequest` or
-    :class:`~millm_core.contracts.completions.CompletionRequest`.
+def millm_startup(app: AppContext) -> None:
+    """The server is starting: create the plugin's state (``app.stash[KEY] = …``) and run
+    its migrations (``app.store.migrate(namespace, statements)``). Runs before the server
+    answers anything but health; an exception stops the server with its message, so a bad
+    database never turns into a 500 on every request.
 
-    Return: problems (or None). The core turns all problems of all plugins into one error
-    response (the first problem sets status, code and param; the message lists them all).
-    Must not mutate the request or any shared state.
+    Return: nothing.
     """
+
+
+@hookspec
+def millm_model_loaded(app: AppContext, model: ServedModel) -> None:
+    """``model`` is loaded. A model loaded while the server starts joins ``app.models``
+    (and readiness turns 200) only after every implementation returned. Runs on the event
+    loop: keep it short.
+
+    Return: nothing. An exception marks the load as failed (readiness says why).
+    """
+
+
+@hookspec
+def millm_shutdown(app: AppContext) -> None:
+    """The server is stopping, after the last request: release what ``millm_startup``
+    created. Every implementation runs even if one raises (the error is logged).
+
+    Return: nothing.
+    """
+
+
+# ---------------------------------------------------------------- request hooks
 
 
 @hookspec(firstresult=True)
@@ -145,16 +195,35 @@ def millm_resolve(ctx: RequestContext, request: Any, models: ModelRegistry) -> S
     """
 
 
-@hookspec(firstresult=True)
-def millm_execute(ctx: RequestContext, request: Any, model: ServedModel, state: Any) -> Awaitable[Response] | None:
-    """Run an admitted request and produce its response. The first plugin that returns
-    an awaitable serves the request: the ``scoring`` plugin takes scoring-mode requests
-    (one forward pass, nothing generated); the ``sampling`` plugin (``trylast``) generates.
-    When no enabled plugin takes a request it is refused with ``400 field_not_honoured``,
-    so a scoring-only server runs no generation code at all.
+@hookspec
+def millm_validate(ctx: RequestContext, request: Any) -> Iterable[Problem] | None:
+    """Check a decoded request before anything runs: after the model is resolved and the
+    field policy passed, before any tokenisation. ``request`` is the endpoint's request
+    type (:class:`~millm_core.contracts.chat.ChatCompletionRequest`,
+    :class:`~millm_core.contracts.completions.CompletionRequest` or
+    :class:`~millm_core.contracts.embeddings.EmbeddingRequest`, with the enabled plugins'
+    fields); ``ctx.endpoint`` says which. A plugin may report a field it will not use
+    (``ctx.ignored_fields.append(location)``); strict mode is decided after every hook ran.
 
-    ``state`` is the app's shared state (scheduler, plugin host, settings). Model code must
-    run on the scheduler's thread (``state.scheduler.call``). Return None to pass.
+    Return: problems (or None). The core turns all problems of all plugins into one error
+    response (the first problem sets status, code and param; the message lists them all).
+    Must not mutate the request or any shared state.
+    """
+
+
+@hookspec(firstresult=True)
+def millm_execute(ctx: RequestContext, request: Any, model: ServedModel) -> Execution | None:
+    """Decide who serves an admitted request. The first plugin that answers serves it:
+    :class:`~millm_core.pipeline_types.Generate` hands it to the core's decode loop (the
+    ``sampling`` plugin, ``trylast``); :class:`~millm_core.pipeline_types.Compute` runs the
+    plugin's own computation, which returns a :class:`~millm_core.pipeline_types.Reply`
+    (the ``scoring`` plugin for scoring-mode requests, ``embeddings`` on its endpoint).
+    Model code must run on the model thread (``ctx.app.run_model(fn)``). When no enabled
+    plugin answers, the request is refused with ``400 field_not_honoured``, so a
+    scoring-only server runs no generation code at all. Never build an HTTP response:
+    the core encodes the reply, adds the common headers and runs ``millm_finalize``.
+
+    Return: an execution, or None to pass.
     """
 
 
@@ -170,10 +239,11 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
 
 @hookspec
 def millm_finalize(ctx: RequestContext, request: Any, outcome: Outcome, out: Finalization) -> None:
-    """After generation: contribute response headers (non-streamed responses), body
-    extensions (top-level keys; on a stream they arrive in one closing chunk with
-    ``choices: []`` before ``[DONE]``) and usage details.
+    """After the request ran, on every endpoint and path: contribute response headers
+    (non-streamed responses), body extensions (top-level keys; on a stream they arrive in
+    one closing chunk with ``choices: []`` before ``[DONE]``) and usage details.
+    ``outcome.kind`` says which path ran (``generation``, ``scoring``, ``embeddings``).
 
     Return: nothing; write into ``out``. Read what ran from ``outcome``, never echo the
-    request.
+    request. Write only your own plugin's headers.
     """

@@ -1,5 +1,6 @@
-"""Turn ``--model`` into a loaded engine: a local directory, a model offered by a
-model-source plugin, or a model already in the local Hugging Face cache (offline)."""
+"""Turn ``--model`` into a loaded engine: a local directory or file, a model offered by a
+model-source plugin, or one a ``millm_locate_model`` plugin finds (the built-in
+``hf_cache`` plugin: the local Hugging Face cache, offline)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .config import Settings
 from .engine import UNRECORDED, Engine, EngineFactory, ModelLocation
 from .errors import ConfigError
 from .plugins import PluginHost
+from .registry import ServedModel
 
 log = structlog.get_logger("millm.loading")
 
@@ -34,17 +36,6 @@ def local_revision(path: str) -> str:
     return match.group("rev")[:12] if match else UNRECORDED
 
 
-def _from_hf_cache(name: str) -> str | None:
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:  # pragma: no cover
-        return None
-    try:
-        return str(snapshot_download(repo_id=name, local_files_only=True))
-    except Exception:  # noqa: BLE001 - any failure means "not in the local cache"
-        return None
-
-
 def locate(settings: Settings, host: PluginHost) -> ModelLocation:
     """Where the model to serve lives. Never downloads anything."""
     name = settings.model or host.default_model(settings)
@@ -63,13 +54,14 @@ def locate(settings: Settings, host: PluginHost) -> ModelLocation:
         if settings.served_name:
             location = dataclasses.replace(location, served_name=settings.served_name)
         return location
-    cached = _from_hf_cache(name)
-    if cached:
-        return ModelLocation(path=cached, served_name=settings.served_name or name, revision=local_revision(cached))
+    located = host.locate_model(name, settings)
+    if located is not None:
+        return dataclasses.replace(located, served_name=settings.served_name) if settings.served_name else located
     known = ", ".join(sorted(sources)) or "none"
     raise ConfigError(
         f"model {name!r} is not a local directory, not offered by a plugin (offered: {known}), "
-        "and not in the local Hugging Face cache; millm never downloads weights"
+        "and no model-locating plugin found it (the hf_cache plugin looks in the local Hugging Face cache); "
+        "millm never downloads weights"
     )
 
 
@@ -91,3 +83,12 @@ def load(location: ModelLocation, settings: Settings, host: PluginHost) -> Engin
     log.info("model_loading", model=location.served_name, engine=factory.name, path=location.path)
     engine: Engine = factory.load(location, settings)
     return engine
+
+
+def load_served_model(settings: Settings) -> ServedModel:
+    """Locate and load the model ``settings`` name, with the plugins they enable (for
+    commands such as ``millm sae train`` that need a model outside a server)."""
+    host = PluginHost.build(settings)
+    location = locate(settings, host)
+    engine = load(location, settings, host)
+    return ServedModel(info=engine.info, engine=engine)

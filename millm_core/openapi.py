@@ -9,32 +9,25 @@ import html
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from . import __version__
-from .contracts.chat import (
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-)
-from .contracts.completions import (
-    CompletionChunk,
-    CompletionRequest,
-    CompletionResponse,
-)
-from .contracts.embeddings import EmbeddingRequest, EmbeddingResponse
+from .context import Endpoint
+from .contracts.chat import ChatCompletionChunk, ChatCompletionResponse
+from .contracts.completions import CompletionChunk, CompletionResponse
+from .contracts.embeddings import EmbeddingResponse
 from .contracts.errors import ErrorResponse
 from .contracts.models import ModelCard, ModelList
 from .fields import PolicyCell
 
+# Response types; each endpoint's request type is built at start-up from the plugins' fields.
 _TYPES: list[Any] = [
-    ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
-    CompletionRequest, CompletionResponse, CompletionChunk,
-    EmbeddingRequest, EmbeddingResponse, ModelList, ModelCard, ErrorResponse, PolicyCell,
+    ChatCompletionResponse, ChatCompletionChunk, CompletionResponse, CompletionChunk,
+    EmbeddingResponse, ModelList, ModelCard, ErrorResponse, PolicyCell,
 ]
 _REF = "#/components/schemas/{name}"
 
@@ -111,26 +104,38 @@ def _operation(path: str, doc: RouteDoc) -> dict[str, Any]:
     return op
 
 
-def openapi_document(extra_responses: Sequence[tuple[str, type]] = (), routes: Sequence[Documented] = ()) -> dict[str, Any]:
-    """The whole document, deterministic for a given code version. ``extra_responses``
-    are plugins' additional 200 bodies per path (``millm_register_schemas``); ``routes``
-    are plugins' documented routes (``millm_register_routes`` with ``doc=``)."""
+def openapi_document(
+    request_types: Mapping[Endpoint, type],
+    extra_responses: Sequence[tuple[str, type]] = (),
+    routes: Sequence[Documented] = (),
+    embeddings: bool = True,
+) -> dict[str, Any]:
+    """The whole document, deterministic for a given code version and plugin set.
+    ``request_types`` are the endpoints' request types (the core's contracts joined with
+    the enabled plugins' fields); ``extra_responses`` are plugins' additional 200 bodies
+    per path (``millm_register_schemas``); ``routes`` are plugins' documented routes
+    (``millm_register_routes`` with ``doc=``); ``embeddings``: whether a plugin serves
+    ``/v1/embeddings``."""
     route_types = {t for _, _, doc in routes for t in (doc.request, doc.response) if t is not None}
     extra_types = sorted({t for _, t in extra_responses} | route_types, key=lambda t: t.__name__)
-    _, components = msgspec.json.schema_components([*_TYPES, *extra_types], ref_template=_REF)
+    served = [t for e, t in request_types.items() if embeddings or e != "embeddings"]
+    _, components = msgspec.json.schema_components([*served, *_TYPES, *extra_types], ref_template=_REF)
     paths: dict[str, Any] = {
-        "/v1/chat/completions": _generation("Chat completion", ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk),
-        "/v1/completions": _generation("Text completion (no chat template)", CompletionRequest, CompletionResponse, CompletionChunk),
-        "/v1/embeddings": {
+        "/v1/chat/completions": _generation("Chat completion", request_types["chat.completions"], ChatCompletionResponse, ChatCompletionChunk),
+        "/v1/completions": _generation("Text completion (no chat template)", request_types["completions"], CompletionResponse, CompletionChunk),
+    }
+    if embeddings:
+        paths["/v1/embeddings"] = {
             "post": {
                 "summary": "Embeddings (the embeddings plugin)",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(EmbeddingRequest)}}},
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request_types["embeddings"])}}},
                 "responses": {
                     "200": {"description": "One vector per input", "content": {"application/json": {"schema": _ref(EmbeddingResponse)}}},
                     **_errors("400", "404", "413", "500", "503"),
                 },
             }
-        },
+        }
+    paths |= {
         "/v1/models": {"get": {"summary": "Served models", "responses": {"200": {"description": "The list", "content": {"application/json": {"schema": _ref(ModelList)}}}}}},
         "/v1/models/{model_id}": {
             "get": {
@@ -172,7 +177,7 @@ def render(document: dict[str, Any]) -> str:
 
 def _describe(prop: dict[str, Any]) -> str:
     if "$ref" in prop:
-        return prop["$ref"].rsplit("/", 1)[-1]
+        return str(prop["$ref"]).rsplit("/", 1)[-1]
     if "anyOf" in prop:
         return " | ".join(_describe(p) for p in prop["anyOf"])
     kind = prop.get("type", prop.get("const", "any"))
@@ -217,11 +222,11 @@ def html_page(document: dict[str, Any]) -> str:
 def installed_document() -> dict[str, Any]:
     """The document with every installed plugin's contributions (the committed file)."""
     from .config import Settings
-    from .plugins import PluginHost
+    from .server.app import assemble, build_host
 
-    host = PluginHost()
-    host.discover(Settings())
-    return openapi_document(host.response_schemas(), host.documented_routes())
+    host = build_host(Settings())
+    assembly = assemble(host)
+    return openapi_document(assembly.request_types, host.response_schemas(), host.documented_routes(), assembly.embeddings)
 
 
 if __name__ == "__main__":  # pragma: no cover - exercised by `make schemas`

@@ -1,11 +1,13 @@
-"""What request hooks exchange with the core: problems, the forward plan, the outcome
-and the finalisation."""
+"""What request hooks exchange with the core: problems, the execution a plugin chose,
+the forward plan, the outcome and the finalisation."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+import msgspec
 
 from .engine import SamplingParams, TokenProcessor
 
@@ -49,6 +51,35 @@ class ForwardPlan:
 
 
 @dataclass(frozen=True)
+class Generate:
+    """``millm_execute``'s answer "generate this request": the core builds the prompt ids
+    and token budget, runs ``millm_pre_forward``, the decode loop with its per-token stage,
+    ``millm_finalize``, and answers with JSON or SSE."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A response body a plugin computed (scoring, embeddings): a Struct or plain data,
+    the headers the plugin itself owns, and what ran, for ``millm_finalize``."""
+
+    body: msgspec.Struct | dict[str, Any]
+    outcome: Outcome
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Compute:
+    """``millm_execute``'s answer "I compute this response": ``run()`` is awaited after
+    every check passed (model code goes through ``AppContext.run_model``); the core adds
+    the common headers, runs ``millm_finalize`` and encodes the body."""
+
+    run: Callable[[], Awaitable[Reply]]
+
+
+Execution = Generate | Compute
+
+
+@dataclass(frozen=True)
 class ChoiceResult:
     index: int
     text: str
@@ -58,12 +89,15 @@ class ChoiceResult:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What actually ran, read after generation."""
+    """What actually ran, read after it ran. ``kind`` says which path served the request:
+    ``generation`` (the decode loop), ``scoring`` (one forward pass, nothing generated) or
+    ``embeddings``; a plugin's computed reply may name its own kind."""
 
     choices: tuple[ChoiceResult, ...]
     prompt_tokens: int
     completion_tokens: int
     cancelled: bool = False
+    kind: Literal["generation", "scoring", "embeddings"] | str = "generation"
 
 
 @dataclass

@@ -10,25 +10,25 @@ if the allow-list (``--plugins``) names it, or when there is no allow-list.
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import pluggy
 import structlog
-from starlette.responses import Response
 
 from . import hookspecs
 from .commands import Command
 from .config import PluginSetting, Settings
-from .context import RequestContext
-from .engine import EngineFactory, ModelSource
+from .context import AppContext, RequestContext
+from .engine import EngineFactory, ModelLocation, ModelSource
 from .errors import ConfigError
 from .fields import FieldRule
 from .openapi import Documented, RouteDoc
-from .pipeline_types import Finalization, ForwardPlan, Outcome, Problem
+from .pipeline_types import Execution, Finalization, ForwardPlan, Outcome, Problem
 from .registry import ModelRegistry, ServedModel
+from .requestfields import RequestField
 
 log = structlog.get_logger("millm.plugins")
 
@@ -91,7 +91,18 @@ class PluginHost:
             log.debug("plugin_loaded", plugin=ep.name, kind=kind)
 
     @classmethod
-    def declared_settings(cls) -> list[PluginSetting]:
+    def build(cls, settings: Settings) -> PluginHost:
+        """A host with the core's own hooks and every discovered plugin the settings
+        enable."""
+        from . import builtin
+
+        host = cls()
+        host.register(builtin, builtin.NAME, origin="millm_core.builtin")
+        host.discover(settings)
+        return host
+
+    @classmethod
+    def declared_settings(cls) -> list[PluginSetting[Any]]:
         """The settings every installed plugin declares, enabled or not (cheap: plugin
         modules import no heavy libraries)."""
         host = cls()
@@ -133,18 +144,27 @@ class PluginHost:
         self._pm.hook.millm_register_model_sources(register=found.append)
         return {s.name: s for s in found}
 
+    def locate_model(self, name: str, settings: Settings) -> ModelLocation | None:
+        result: ModelLocation | None = self._pm.hook.millm_locate_model(name=name, settings=settings)
+        return result
+
     def default_model(self, settings: Settings) -> str | None:
         result: str | None = self._pm.hook.millm_default_model(settings=settings)
         return result
 
-    def plugin_settings(self) -> list[PluginSetting]:
-        found: list[PluginSetting] = []
+    def plugin_settings(self) -> list[PluginSetting[Any]]:
+        found: list[PluginSetting[Any]] = []
         self._pm.hook.millm_register_settings(register=found.append)
         return found
 
     def field_rules(self) -> list[FieldRule]:
         found: list[FieldRule] = []
         self._pm.hook.millm_register_fields(register=found.append)
+        return found
+
+    def request_fields(self) -> list[RequestField[Any]]:
+        found: list[RequestField[Any]] = []
+        self._pm.hook.millm_register_request_fields(register=found.append)
         return found
 
     def response_schemas(self) -> list[tuple[str, type]]:
@@ -168,6 +188,22 @@ class PluginHost:
         """``(path, method, doc)`` for every route registered with a ``doc``."""
         return [(path, method, doc) for path, _, methods, doc in self._routes() if doc is not None for method in methods]
 
+    # -------------------------------------------------------------- lifecycle hooks
+
+    def startup(self, app: AppContext) -> None:
+        self._pm.hook.millm_startup(app=app)
+
+    def model_loaded(self, app: AppContext, model: ServedModel) -> None:
+        self._pm.hook.millm_model_loaded(app=app, model=model)
+
+    def shutdown(self, app: AppContext) -> None:
+        """Every implementation runs, even after one raised (each error is logged)."""
+        for impl in reversed(self._pm.hook.millm_shutdown.get_hookimpls()):
+            try:
+                impl.function(*[{"app": app}[name] for name in impl.argnames])
+            except Exception:  # noqa: BLE001 - shutdown must reach every plugin
+                log.exception("plugin_shutdown_failed", plugin=impl.plugin_name)
+
     # -------------------------------------------------------------- request hooks
 
     def validate(self, ctx: RequestContext, request: Any) -> list[Problem]:
@@ -182,8 +218,8 @@ class PluginHost:
         result: ServedModel | None = self._pm.hook.millm_resolve(ctx=ctx, request=request, models=models)
         return result
 
-    def execute(self, ctx: RequestContext, request: Any, model: ServedModel, state: Any) -> Awaitable[Response] | None:
-        result: Awaitable[Response] | None = self._pm.hook.millm_execute(ctx=ctx, request=request, model=model, state=state)
+    def execute(self, ctx: RequestContext, request: Any, model: ServedModel) -> Execution | None:
+        result: Execution | None = self._pm.hook.millm_execute(ctx=ctx, request=request, model=model)
         return result
 
     def pre_forward(self, ctx: RequestContext, request: Any, plan: ForwardPlan) -> None:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 import structlog
@@ -176,7 +176,7 @@ class Scheduler:
             if isinstance(item, _Call):
                 self._call(item)
                 continue
-            if isinstance(item, Job) and item.engine is engine and engine.can_join(item.rows):
+            if isinstance(item, Job) and item.engine is cast(object, engine) and engine.can_join(item.rows):
                 with self._lock:
                     self.stats.queued -= 1
                 if item.cancelled.is_set():

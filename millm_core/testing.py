@@ -1,12 +1,24 @@
-"""Test helpers that plugin authors can reuse: a real server for an app, in a thread.
+"""Test helpers that plugin authors can reuse: a real server for an app, in a thread, and
+pytest fixtures that start one over models and extra plugins.
 
-Model builders for tests live with their engine (for the transformers engine:
-:mod:`millm_engines.transformers.testing`).
+This module is a pytest plugin (entry point ``millm = "millm_core.testing"`` in the
+``pytest11`` group), so its fixtures are available in any project that installs millm;
+their names start with ``millm_``. Model builders and model fixtures live with their
+engine (for the transformers engine: :mod:`millm_engines.transformers.testing`); the
+core imports no engine here. The engine conformance suite is :mod:`millm_core.conformance`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from .registry import ServedModel
 
 
 class RunningServer:
@@ -72,3 +84,51 @@ class RunningServer:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
+
+
+ServerFactory = Callable[..., contextlib.AbstractContextManager[RunningServer]]
+"""``factory(models, plugins=(), **setting_overrides)``, a context manager yielding a
+:class:`RunningServer` (the type of :func:`millm_server_factory`'s value)."""
+
+
+@contextlib.contextmanager
+def serve_models(
+    models: Sequence[ServedModel], plugins: Sequence[tuple[str, object]] = (), **setting_overrides: Any
+) -> Iterator[RunningServer]:
+    """A real server over already loaded ``models`` with the installed plugins (found
+    through the ``millm`` entry points, as ``millm serve`` finds them) plus ``plugins``, given
+    as ``(name, plugin object)`` and always registered. ``setting_overrides`` are settings
+    by name (core ones such as ``max_queue`` or ``plugins``, the allow-list of discovered
+    feature plugins, and plugin-declared ones); ``MILLM_*`` environment variables are
+    ignored, logs are at ``warning`` and the database is SQLite ``:memory:`` unless
+    overridden. The server stops when the block exits."""
+    from .config import Settings, load_settings
+    from .plugins import PluginHost
+    from .registry import ModelRegistry
+    from .server.app import create_app
+
+    values: dict[str, Any] = {"log_level": "warning", "db": ":memory:", **setting_overrides}
+    # The host is built from the core settings (the allow- and block-lists); plugin-declared
+    # settings are known only once the plugins, extra ones included, are registered.
+    core = {k: v for k, v in values.items() if k in Settings.__struct_fields__}
+    host = PluginHost.build(load_settings(core, environ={}))
+    for name, plugin in plugins:
+        host.register(plugin, name, origin="millm_server_factory")
+    settings = load_settings(values, environ={}, plugin_settings=host.plugin_settings())
+    registry = ModelRegistry()
+    for model in models:
+        registry.add(model)
+    app = create_app(settings, host=host, models=registry)
+    with RunningServer(app) as server:
+        yield server
+
+
+@pytest.fixture
+def millm_server_factory() -> ServerFactory:
+    """A factory of real servers: ``with millm_server_factory([model], plugins=[("mine",
+    my_plugin)], max_queue=2) as server:`` serves ``model`` (a loaded
+    :class:`~millm_core.api.ServedModel`, for example the ``millm_tiny_model`` fixture of
+    :mod:`millm_engines.transformers.testing`) on ``server.base_url`` with your plugin
+    registered beside the installed ones. Each ``with`` starts a fresh server and plugin host
+    and stops it on exit; see :func:`serve_models` for the arguments."""
+    return serve_models

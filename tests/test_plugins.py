@@ -4,7 +4,6 @@ real third-party package that refuses requests in validate."""
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,28 +17,14 @@ from millm_core.errors import ConfigError
 from millm_core.plugins import PluginHost
 from millm_core.server.app import build_host
 
-PLUGIN_SRC = os.path.join(os.path.dirname(__file__), "plugins", "millm-example-guard")
+from .packages import installed
 
 
 @pytest.fixture(scope="module")
 def installed_guard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """pip-install the example plugin package into a private directory on sys.path."""
-    target = str(tmp_path_factory.mktemp("site"))
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
-         "--no-build-isolation", "--no-index", "--target", target, PLUGIN_SRC],
-        check=True,
-    )
-    sys.path.insert(0, target)
-    importlib.invalidate_caches()
-    try:
+    """The example guard package, pip-installed as a user would."""
+    with installed("millm-example-guard", "millm_example_guard", tmp_path_factory.mktemp("guard")) as target:
         yield target
-    finally:
-        sys.path.remove(target)
-        for name in [m for m in sys.modules if m.startswith("millm_example_guard")]:
-            del sys.modules[name]
-        importlib.invalidate_caches()
-
 
 def test_builtins_are_discovered_like_third_party_plugins() -> None:
     names = {ep.name for ep in importlib.metadata.entry_points(group="millm")}
@@ -131,3 +116,31 @@ def test_block_list_removes_an_engine() -> None:
     host.discover(load_settings({"block_plugins": ("engine.transformers",)}, environ={}))
     assert not host.has("engine.transformers")
     assert [factory.name for factory in host.engines()] == ["gguf"]
+
+
+def test_third_party_field_is_decoded_checked_published_and_in_the_policy(installed_guard: str, make_server) -> None:  # type: ignore[no-untyped-def]
+    """The guard package owns ``guard_words`` through millm_register_request_fields: the
+    server decodes it in its one typed pass, names it in range errors, publishes its schema
+    and lists it in /api/policy, and the plugin reads the typed value."""
+    host = build_host(load_settings(environ={}))
+    with make_server(host=host) as srv:
+        url = srv.base_url + "/v1/chat/completions"
+        base = {"model": "tiny", "messages": [{"role": "user", "content": "a kiwi"}], "max_tokens": 2}
+        refused = httpx.post(url, json={**base, "guard_words": ["kiwi"]})
+        assert refused.status_code == 400
+        assert refused.json()["error"]["message"] == "messages[0].content contains the word 'kiwi', which this server refuses"
+        assert httpx.post(url, json={**base, "guard_words": ["plum"]}).status_code == 200
+        too_many = httpx.post(url, json={**base, "guard_words": [f"w{i}" for i in range(9)]})
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "guard_words"
+        wrong_type = httpx.post(url, json={**base, "guard_words": [""]})
+        assert wrong_type.status_code == 400 and wrong_type.json()["error"]["param"] == "guard_words[0]"
+        # Not reported as unknown: the field is declared.
+        assert "x-millm-ignored-fields" not in httpx.post(url, json={**base, "guard_words": []}).headers
+        schemas = httpx.get(srv.base_url + "/v1/openapi.json").json()["components"]["schemas"]
+        prop = schemas["ChatCompletionRequest"]["properties"]["guard_words"]
+        assert {"type": "array", "maxItems": 8}.items() <= prop["anyOf"][0].items()
+        cells = [c for c in httpx.get(srv.base_url + "/api/policy").json()["data"] if c["field"] == "guard_words"]
+        assert {(c["endpoint"], c["engine"], c["status"], c["by"]) for c in cells} == {
+            (endpoint, engine, "honoured", "guard") for endpoint in ("chat.completions", "completions") for engine in ("transformers", "gguf")
+        }
+

@@ -39,13 +39,9 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
-    """A chat completion request: OpenAI's fields plus millm's extensions."""
+    """A chat completion request: OpenAI's fields that the core serves (plugins add theirs)."""
 
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    response_format: dict[str, Any] | None | UnsetType = UNSET
-    tools: list[dict[str, Any]] | None | UnsetType = UNSET
-    tool_choice: str | dict[str, Any] | None | UnsetType = UNSET
-    parallel_tool_calls: bool | None | UnsetType = UNSET
     chat_template_kwargs: dict[str, Any] | None | UnsetType = UNSET
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -10,7 +10,6 @@ from msgspec import UNSET, Meta, UnsetType
 # Ranges are the API contract; out-of-range values are refused, never clamped.
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0, description="0 = greedy")]
 TopP = Annotated[float, Meta(ge=0.0, le=1.0)]
-TopK = Annotated[int, Meta(ge=0, le=20, description="0 caps sampling at 20 candidates")]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Seed = Annotated[int, Meta(ge=0, le=2**32 - 1)]
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -28,11 +27,13 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
-    """Sampling and length fields common to chat and text completions.
+    """OpenAI's sampling and length fields, common to chat and text completions.
 
-    The ``millm``-specific extensions (``top_k``) sit beside OpenAI's names. Fields that
-    only some plugins honour (``logprobs``, ``response_format``, ``tools``, steering, …)
-    are declared so that they can be refused by name when nothing honours them.
+    The core declares OpenAI's fields that some enabled plugin or the core itself
+    always honours. Extensions (``top_k``, ``steering``, scoring fields, …) are declared by
+    the plugins that own them and joined on at start-up
+    (:mod:`millm_core.requestfields`); known output-changing fields that nothing declares
+    are refused by name (:mod:`millm_core.contracts.known`).
     """
 
     model: str
@@ -40,7 +41,6 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None | UnsetType = UNSET
     temperature: Temperature | None | UnsetType = UNSET
     top_p: TopP | None | UnsetType = UNSET
-    top_k: TopK | None | UnsetType = UNSET
     n: ChoiceCount | None | UnsetType = UNSET
     max_tokens: PositiveInt | None | UnsetType = UNSET
     max_completion_tokens: PositiveInt | None | UnsetType = UNSET
@@ -48,17 +48,6 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop: StopString | StopList | None | UnsetType = UNSET
     frequency_penalty: Penalty | None | UnsetType = UNSET
     presence_penalty: Penalty | None | UnsetType = UNSET
-    # Declared so that they are refused by name until a plugin honours them.
-    logit_bias: dict[str, float] | None | UnsetType = UNSET
-    logprobs: bool | int | None | UnsetType = UNSET
-    top_logprobs: int | None | UnsetType = UNSET
-    allowed_token_ids: list[int] | None | UnsetType = UNSET
-    return_tokens_as_token_ids: bool | None | UnsetType = UNSET
-    scoring_precision: str | None | UnsetType = UNSET
-    profile: str | None | UnsetType = UNSET
-    steering: dict[str, Any] | None | UnsetType = UNSET
-    steering_intensity: float | str | None | UnsetType = UNSET
-    return_sae_activations: dict[str, Any] | None | UnsetType = UNSET
     # ``user`` is deliberately not declared: millm does not read it, so it is reported
     # in X-miLLM-Ignored-Fields like any other unread field.
 

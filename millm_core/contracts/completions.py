@@ -18,9 +18,6 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
     prompt: str | PromptList
     add_special_tokens: bool | None | UnsetType = UNSET
-    echo: bool | None | UnsetType = UNSET
-    suffix: str | None | UnsetType = UNSET
-    best_of: int | None | UnsetType = UNSET
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)

@@ -11,17 +11,12 @@ from .common import Usage
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
-    """One vector per input string, pooled from the model's last hidden layer."""
+    """One vector per input string, pooled from the model's last hidden layer. Plugins
+    add their fields (``pooling``, ``normalize``)."""
 
     model: str
     input: str | list[str]
     encoding_format: Literal["float", "base64"] | None | UnsetType = UNSET
-    pooling: Literal["mean", "last", "cls"] | None | UnsetType = UNSET
-    normalize: bool | None | UnsetType = UNSET
-    # Declared so that they are refused by name: no model declares truncated embeddings,
-    # and embeddings always run in the served precision ("native" is accepted).
-    dimensions: int | None | UnsetType = UNSET
-    scoring_precision: str | None | UnsetType = UNSET
 
     def inputs(self) -> list[str]:
         return [self.input] if isinstance(self.input, str) else list(self.input)
@@ -36,11 +31,15 @@ class EmbeddingItem(msgspec.Struct, kw_only=True):
 
 
 class EmbeddingUsage(msgspec.Struct, kw_only=True):
+    """Tokens read (embeddings generate nothing, so both counts are equal)."""
+
     prompt_tokens: int
     total_tokens: int
 
 
 class EmbeddingResponse(msgspec.Struct, kw_only=True):
+    """``POST /v1/embeddings``'s answer: one item per input, in input order."""
+
     object: Literal["list"] = "list"
     data: list[EmbeddingItem]
     model: str

@@ -1,11 +1,13 @@
 """``create_app(settings)`` → a Starlette app whose lifespan owns the plugin host, the
-model registry, the scheduler and (when given a loader) the model load."""
+model registry, the scheduler, the database, the plugins' lifecycle and (when given a
+loader) the model load."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import msgspec
@@ -16,19 +18,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .. import builtin
 from ..config import Settings
-from ..errors import MillmError
+from ..context import AppContext, Endpoint
+from ..contracts import ENDPOINT_CONTRACTS
+from ..errors import ConfigError, MillmError
 from ..fields import FieldPolicy
 from ..openapi import html_page, openapi_document, render
 from ..plugins import PluginHost
 from ..registry import ModelRegistry, ServedModel
+from ..requestfields import build_request_types
 from ..scheduler import Scheduler
 from ..store import Store, default_db_path
 from .errors import handle_http_exception, handle_millm_error, handle_unexpected
 from .middleware import RequestIdMiddleware
-from .routes.chat import chat_completions
-from .routes.completions import completions
+from .routes.common import chat_completions, completions
 from .routes.health import api_docs, health, inference, openapi, ready
 from .routes.health import policy as policy_route
 from .routes.models import get_model, list_models
@@ -41,10 +44,33 @@ Loader = Callable[[], ServedModel]
 
 def build_host(settings: Settings) -> PluginHost:
     """A plugin host with the core's hooks and every discovered plugin."""
-    host = PluginHost()
-    host.register(builtin, builtin.NAME, origin="millm_core.builtin")
-    host.discover(settings)
-    return host
+    return PluginHost.build(settings)
+
+
+EMBEDDINGS_PATH = "/v1/embeddings"
+
+
+@dataclass(frozen=True)
+class Assembly:
+    """What the enabled plugins make of the server: each endpoint's request type, the
+    field policy, and whether a plugin serves ``/v1/embeddings``."""
+
+    request_types: dict[Endpoint, type[msgspec.Struct]]
+    policy: FieldPolicy
+    embeddings: bool
+
+
+def assemble(host: PluginHost) -> Assembly:
+    """Join the plugins' request fields onto the core's contracts and build the policy.
+    Raises :class:`ConfigError` for clashing field declarations."""
+    fields = host.request_fields()
+    request_types = build_request_types(ENDPOINT_CONTRACTS, fields)
+    policy = FieldPolicy()
+    for field in fields:
+        policy.own(field)
+    for rule in host.field_rules():
+        policy.register(rule)
+    return Assembly(request_types, policy, any(path == EMBEDDINGS_PATH for path, _, _ in host.routes()))
 
 
 def _merged_routes(registered: list[tuple[str, Callable[..., Any], list[str]]]) -> list[Route]:
@@ -79,20 +105,36 @@ def create_app(
     missing = {d.name: d.default for d in host.plugin_settings() if d.name not in settings.plugin_values}
     if missing:
         settings = msgspec.structs.replace(settings, plugin_values={**missing, **settings.plugin_values})
-    policy = FieldPolicy()
-    for rule in host.field_rules():
-        policy.register(rule)
+    assembly = assemble(host)
     registry = models if models is not None else ModelRegistry()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         scheduler = Scheduler(settings.max_queue)
-        store = Store(settings.db or default_db_path())
-        state = AppState(settings=settings, host=host, models=registry, policy=policy, scheduler=scheduler, store=store)
-        document = openapi_document(host.response_schemas(), host.documented_routes())
-        state.extra["openapi"] = render(document).encode()
-        state.extra["docs_html"] = html_page(document)
+        db = settings.db or default_db_path()
+        try:
+            store = Store(db)
+        except Exception as exc:
+            scheduler.shutdown()
+            app.state.startup_error = f"cannot open the database {db!r}: {exc}"
+            raise ConfigError(app.state.startup_error) from exc
+        context = AppContext(settings=settings, models=registry, store=store, model_thread=scheduler)
+        state = AppState(app=context, host=host, policy=assembly.policy, scheduler=scheduler, request_types=assembly.request_types, serves_embeddings=assembly.embeddings)
+        document = openapi_document(assembly.request_types, host.response_schemas(), host.documented_routes(), assembly.embeddings)
+        state.openapi_json = render(document).encode()
+        state.docs_html = html_page(document)
         app.state.millm = state
+        try:
+            host.startup(context)
+        except Exception as exc:
+            app.state.startup_error = f"a plugin failed to start ({type(exc).__name__}: {exc}); database {db!r}"
+            log.error("plugin_startup_failed", error=app.state.startup_error)
+            host.shutdown(context)
+            scheduler.shutdown()
+            store.close()
+            raise
+        for model in registry:
+            host.model_loaded(context, model)
         task: asyncio.Task[None] | None = None
         if loader is not None:
             state.loading = True
@@ -100,7 +142,9 @@ def create_app(
             async def load() -> None:
                 try:
                     # Loaded on the scheduler's thread: the one thread that runs model code.
-                    registry.add(await asyncio.wrap_future(scheduler.call(loader)))
+                    model = await asyncio.wrap_future(scheduler.call(loader))
+                    host.model_loaded(context, model)
+                    registry.add(model)
                 except Exception as exc:  # noqa: BLE001 - reported by readiness and 503s
                     state.load_error = f"{type(exc).__name__}: {exc}"
                     log.exception("model_load_failed")
@@ -114,6 +158,7 @@ def create_app(
         finally:
             if task is not None and not task.done():
                 task.cancel()
+            host.shutdown(context)
             scheduler.shutdown()
             store.close()
 

@@ -1,9 +1,10 @@
-"""The request path shared by chat and text completions, stage by stage.
+"""The request path's stages, shared by every model endpoint.
 
-decode → validate (plugins) → resolve (model) → field policy (engine capabilities) →
-prompt ids and token budget → pre-forward (plugins build the plan) → run (scheduler) →
-finalize (plugins). Everything that can be refused is refused before the first byte of a
-response, so a stream's 200 is never followed by a refusal it could have known.
+decode → strict mode → resolve (model) → field policy (engine capabilities, known fields
+nothing declares) → validate (plugins) → execute (who serves it) → for generation: prompt
+ids and token budget → pre-forward (plugins build the plan) → run (scheduler) → finalize
+(plugins). Everything that can be refused is refused before the first byte of a response,
+so a stream's 200 is never followed by a refusal it could have known.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from ..builtin import STRUCTURAL_FIELDS
 from ..context import RequestContext
 from ..contracts.chat import ChatCompletionRequest
 from ..contracts.completions import CompletionRequest
-from ..engine import Capability, RowSpec, SamplingParams
-from ..errors import ContextLengthExceeded, FieldNotHonoured, InvalidRequest, MillmError
+from ..engine import Capacity, RowSpec, SamplingParams
+from ..errors import CapacityExceeded, FieldNotHonoured, InvalidRequest, MillmError
 from ..pipeline_types import (
     ChoiceResult,
     Finalization,
@@ -30,6 +31,7 @@ from ..pipeline_types import (
     Problem,
     RowInfo,
 )
+from ..prompts import prompt_ids, token_budget
 from ..registry import ServedModel
 from ..rng import fresh_seed
 from ..rows import RowDriver
@@ -117,49 +119,21 @@ def _unread_message_fields(request: ChatCompletionRequest) -> list[str]:
     return unread
 
 
-def _prompt_ids(ctx: RequestContext, request: ChatCompletionRequest | CompletionRequest, model: ServedModel) -> list[list[int]]:
-    engine = model.engine
-    if isinstance(request, ChatCompletionRequest):
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        kwargs: dict[str, Any] = request.chat_template_kwargs if isinstance(request.chat_template_kwargs, dict) else {}
-        if kwargs and Capability.CHAT_TEMPLATE_KWARGS not in model.capabilities:
-            ctx.ignored_fields.append("chat_template_kwargs")  # accepted, and said to be unused
-            kwargs = {}
-        return [engine.render_chat(messages, **kwargs)]
-    add_special = request.add_special_tokens if _sent(request.add_special_tokens) else True
-    prompts = [engine.encode(text, add_special_tokens=bool(add_special)) for text in request.prompts()]
-    for index, ids in enumerate(prompts):
-        if not ids:
-            param = "prompt" if isinstance(request.prompt, str) else f"prompt[{index}]"
-            raise InvalidRequest("The prompt tokenises to nothing; send at least one token", param=param)
-    return prompts
+@dataclass
+class Admission:
+    """A decoded request on its way through admission."""
+
+    state: AppState
+    ctx: RequestContext
+    request: Any
+    # Known output-changing fields the body sent that no enabled plugin declares.
+    refused_known: list[str]
 
 
-def _budget(request: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], model: ServedModel, default: int) -> int:
-    limit = model.info.context_length
-    asked = request.max_tokens if _sent(request.max_tokens) else request.max_completion_tokens
-    longest = max(len(p) for p in prompts)
-    if _sent(asked):
-        if longest + _int(asked) > limit:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{longest + _int(asked)} tokens ({longest} in the prompt, {asked} for the completion). "
-                "Shorten the prompt or lower max_tokens.",
-                param="max_tokens" if _sent(request.max_tokens) else "max_completion_tokens",
-            )
-        return _int(asked)
-    if longest >= limit:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {limit} tokens. However, the prompt has "
-            f"{longest} tokens, leaving no room for a completion. Shorten the prompt.",
-            param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
-        )
-    return min(default, limit - longest)
-
-
-def check_field_policy(state: AppState, ctx: RequestContext, request: msgspec.Struct, model: ServedModel) -> None:
-    """Refuse, naming them, the non-neutral fields nothing honours for this endpoint and engine."""
-    refused = state.policy.refusals(request, ctx.endpoint, model.capabilities, STRUCTURAL_FIELDS)
+def check_field_policy(state: AppState, ctx: RequestContext, request: msgspec.Struct, model: ServedModel, known: list[str]) -> None:
+    """Refuse, naming them, the non-neutral fields nothing honours for this endpoint and
+    engine, and the known output-changing fields nothing enabled declares."""
+    refused = state.policy.refusals(request, ctx.endpoint, model.capabilities, STRUCTURAL_FIELDS) + known
     if refused:
         raise FieldNotHonoured(
             f"{', '.join(refused)}: not honoured by this server for {ctx.endpoint} on the "
@@ -168,37 +142,54 @@ def check_field_policy(state: AppState, ctx: RequestContext, request: msgspec.St
         )
 
 
-def admit(state: AppState, ctx: RequestContext, request: ChatCompletionRequest | CompletionRequest) -> ServedModel:
+def admit(admission: Admission) -> ServedModel:
     """Strict mode, model resolution, the field policy and the plugins' validation: every
     refusal that needs no tokenisation. Runs nothing."""
+    state, ctx, request = admission.state, admission.ctx, admission.request
     if isinstance(request, ChatCompletionRequest):
         ctx.ignored_fields.extend(_unread_message_fields(request))
-    refuse_unused_if_strict(ctx)
+    refuse_unused_if_strict(ctx)  # early: what decoding already found unused
     model = state.host.resolve(ctx, request, state.models)
     if model is None:  # pragma: no cover - the core's resolve always answers or raises
         raise InvalidRequest("no plugin resolved a model for this request", param="model")
     # What this engine cannot do is refused first, naming the field, before any plugin
     # checks how the field is used.
-    check_field_policy(state, ctx, request, model)
+    check_field_policy(state, ctx, request, model, admission.refused_known)
     problems = state.host.validate(ctx, request)
     if problems:
         raise problems_error(problems)
     return model
 
 
-def prompt_ids(ctx: RequestContext, request: ChatCompletionRequest | CompletionRequest, model: ServedModel) -> list[list[int]]:
-    """The request's prompt token ids, exactly as generation tokenises them (one BOS rule,
-    chat template, ``add_special_tokens``). Scoring uses the same function."""
-    return _prompt_ids(ctx, request, model)
+def check_capacity(model: ServedModel, prompts: list[list[int]], n: int, max_new: int, budget_param: str) -> None:
+    """Refuse, before anything runs (and before a stream's 200), a request the engine's
+    declared :class:`~millm_core.engine.Capacity` could never hold."""
+    capacity: Capacity = getattr(model.engine, "capacity", None) or Capacity()
+    rows = len(prompts) * n
+    if capacity.max_rows is not None and rows > capacity.max_rows:
+        raise CapacityExceeded(
+            f"this request needs {rows} sequences at once ({len(prompts)} prompt(s) × n={n}); the {model.info.engine} engine "
+            f"serving '{model.info.served_name}' runs at most {capacity.max_rows}",
+            param="n" if n > 1 else "prompt",
+        )
+    need = sum(len(p) + max_new for p in prompts) * n
+    if capacity.max_tokens is not None and need > capacity.max_tokens:
+        raise CapacityExceeded(
+            f"the prompts and their token budgets need {need} tokens of cache; the {model.info.engine} engine serving "
+            f"'{model.info.served_name}' holds at most {capacity.max_tokens}. Lower {budget_param} or send fewer prompts",
+            param=budget_param,
+        )
 
 
 def prepare_generation(state: AppState, ctx: RequestContext, request: ChatCompletionRequest | CompletionRequest, model: ServedModel) -> Prepared:
     """Prompt ids, token budget and the plugins' plan for an admitted request."""
-    prompts = _prompt_ids(ctx, request, model)
-    max_new = _budget(request, prompts, model, state.settings.default_max_tokens)
+    prompts = prompt_ids(ctx, request, model)
+    max_new = token_budget(request, prompts, model, state.settings.default_max_tokens)
     plan = ForwardPlan(sampling=SamplingParams(seed=fresh_seed(ctx.request_id)), max_new_tokens=max_new)
-    state.host.pre_forward(ctx, request, plan)
     n = _int(request.n) if _sent(request.n) else 1
+    budget_param = next((name for name in ("max_tokens", "max_completion_tokens") if _sent(getattr(request, name))), "max_tokens")
+    check_capacity(model, prompts, n, max_new, budget_param)
+    state.host.pre_forward(ctx, request, plan)
     return Prepared(ctx=ctx, request=request, model=model, plan=plan, prompts=prompts, n=n)
 
 

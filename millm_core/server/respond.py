@@ -1,8 +1,9 @@
-"""Turn a prepared request into an HTTP response, streamed or not.
+"""Turn a request's result into an HTTP response: a generation streamed or not, or a
+plugin's computed :class:`~millm_core.pipeline_types.Reply`.
 
-The endpoint-specific part (which Structs to build) is a small :class:`Shapes` object;
-everything else — headers, usage, the SSE framing, disconnects, mid-stream errors,
-finalize extensions — is shared by chat and text completions.
+The endpoint-specific part of generation (which Structs to build) is a small
+:class:`Shapes` object; everything else — headers, usage, the SSE framing, disconnects,
+mid-stream errors, finalize extensions — is shared by every endpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from ..codec import SSE_DONE, encode, sse_frame
 from ..context import RequestContext
 from ..contracts.common import Usage
 from ..errors import MillmError
+from ..pipeline_types import Finalization, Reply
+from ..registry import ServedModel
 from ..sfv import string_list
 from .errors import error_body, internal_error
 from .pipeline import Prepared, events, finalize, outcome, submit
@@ -145,3 +148,17 @@ def encode_extension(response_id: str, created: int, model: str, shapes: Shapes,
     base["choices"] = []
     base[key] = value
     return b"data: " + encode(base) + b"\n\n"
+
+
+def reply(state: AppState, ctx: RequestContext, request: Any, model: ServedModel, result: Reply) -> Response:
+    """A computed reply: the common headers, the plugin's own, then ``millm_finalize``'s
+    headers and body extensions (finalize runs for every path)."""
+    out = Finalization()
+    state.host.finalize(ctx, request, result.outcome, out)
+    headers = {**response_headers(ctx, model.info.served_name), **result.headers, **out.headers}
+    body = result.body
+    if isinstance(body, msgspec.Struct):
+        payload = _body_with_extensions(body, out.extensions)
+    else:
+        payload = encode({**body, **out.extensions})
+    return Response(payload, media_type="application/json", headers=headers)

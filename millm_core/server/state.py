@@ -1,27 +1,42 @@
-"""Objects shared by every request, owned by the app's lifespan (no module globals)."""
+"""Objects shared by every request, owned by the app's lifespan (no module globals).
+
+:class:`AppState` is the server's private side; plugins see only its
+:class:`~millm_core.context.AppContext` (``state.app``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import msgspec
 
 from ..config import Settings
+from ..context import AppContext, Endpoint
 from ..fields import FieldPolicy
 from ..plugins import PluginHost
 from ..registry import ModelRegistry
 from ..scheduler import Scheduler
-from ..store import Store
 
 
 @dataclass
 class AppState:
     """Reachable from a route as ``request.app.state.millm``."""
 
-    settings: Settings
+    app: AppContext
     host: PluginHost
-    models: ModelRegistry
     policy: FieldPolicy
     scheduler: Scheduler
-    store: Store
+    # Each endpoint's request type: the core's contract joined with the plugins' fields.
+    request_types: dict[Endpoint, type[msgspec.Struct]]
+    serves_embeddings: bool = False
+    openapi_json: bytes = b""
+    docs_html: str = ""
     load_error: str | None = None
     loading: bool = False
-    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def settings(self) -> Settings:
+        return self.app.settings
+
+    @property
+    def models(self) -> ModelRegistry:
+        return self.app.models

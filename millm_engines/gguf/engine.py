@@ -16,9 +16,17 @@ from typing import Any
 
 import numpy as np
 
-from millm_core.chatformat import generic_chat_text, render_with_continuation
-from millm_core.engine import Capability, ModelInfo, RowSpec, SamplingParams
-from millm_core.errors import InvalidRequest
+from millm_core.api import (
+    Capability,
+    Capacity,
+    CapacityExceeded,
+    InvalidRequest,
+    ModelInfo,
+    RowSpec,
+    SamplingParams,
+    generic_chat_text,
+    render_with_continuation,
+)
 
 from .llama import LlamaModel, Piece
 from .sampler import sample_row
@@ -106,12 +114,18 @@ class GGUFEngine:
         need = sum(len(r.prompt_ids) + max(r.max_new_tokens, 1) for r in rows)
         return len(rows) <= len(self._free_seqs) and self._reserved + need <= self.llm.n_cells
 
+    @property
+    def capacity(self) -> Capacity:
+        """Sequences and KV cells: admission refuses a request that could never fit."""
+        return Capacity(max_rows=self.parallel, max_tokens=self.llm.n_cells)
+
     def open_batch(self, rows: Sequence[RowSpec]) -> GGUFBatch:
+        # Admission already refused what cannot fit (before a stream's 200); kept as a guard.
         if len(rows) > self.parallel:
-            raise InvalidRequest(f"{len(rows)} sequences at once; this GGUF engine runs at most {self.parallel}", param="prompt")
+            raise CapacityExceeded(f"{len(rows)} sequences at once; this GGUF engine runs at most {self.parallel}", param="prompt")
         need = sum(len(r.prompt_ids) + max(r.max_new_tokens, 1) for r in rows)
         if need > self.llm.n_cells:
-            raise InvalidRequest(f"the prompts and their token budgets need {need} KV cells; this GGUF engine has {self.llm.n_cells}", param="prompt")
+            raise CapacityExceeded(f"the prompts and their token budgets need {need} KV cells; this GGUF engine has {self.llm.n_cells}", param="prompt")
         batch = GGUFBatch()
         self.join(batch, rows)
         return batch

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import llama_cpp as L
 import numpy as np
 
-from millm_core.errors import InternalError
+from millm_core.api import InternalError
 
 GGML_TYPE_F32 = 0
 POOLING_MEAN = 1

@@ -7,9 +7,7 @@ import time
 
 import structlog
 
-from millm_core.config import Settings
-from millm_core.engine import Capability, ModelInfo, ModelLocation
-from millm_core.errors import ConfigError
+from millm_core.api import Capability, ConfigError, ModelInfo, ModelLocation, Settings
 
 from . import naming
 from .engine import GGUFEngine
@@ -22,8 +20,8 @@ DEFAULT_MAX_CELLS = 16384
 
 def load_engine(location: ModelLocation, settings: Settings) -> GGUFEngine:
     started = time.perf_counter()
-    parallel = int(settings.plugin(PARALLEL)) or 1
-    embeddings = bool(settings.plugin(EMBEDDINGS))
+    parallel = PARALLEL.get(settings) or 1
+    embeddings = EMBEDDINGS.get(settings)
     threads = settings.threads or os.cpu_count() or 1
     probe = LlamaModel(location.path, n_ctx=256, n_seq_max=1, threads=threads, f32_kv=False)
     try:
@@ -35,9 +33,9 @@ def load_engine(location: ModelLocation, settings: Settings) -> GGUFEngine:
     if tag is None:
         raise ConfigError(f"{location.path}: no quantization tag in its metadata or its name")
     context = min(settings.max_model_len or trained, trained)
-    cells = int(settings.plugin(KV_CELLS)) or min(context * parallel, max(context, DEFAULT_MAX_CELLS))
+    cells = KV_CELLS.get(settings) or min(context * parallel, max(context, DEFAULT_MAX_CELLS))
     if cells < context:
-        raise ConfigError(f"--{KV_CELLS.replace('_', '-')} {cells} is smaller than the context ({context}); one sequence would not fit")
+        raise ConfigError(f"--{KV_CELLS.name.replace('_', '-')} {cells} is smaller than the context ({context}); one sequence would not fit")
     llm = LlamaModel(location.path, n_ctx=cells, n_seq_max=parallel, threads=threads, f32_kv=tag == "F32")
     if settings.served_name:
         served = settings.served_name
@@ -57,7 +55,7 @@ def load_engine(location: ModelLocation, settings: Settings) -> GGUFEngine:
         created=int(os.path.getmtime(location.path)),
     )
     capabilities = CAPABILITIES if embeddings else CAPABILITIES - {Capability.EMBEDDINGS}
-    refusals = {} if embeddings else {Capability.EMBEDDINGS: f"the model was loaded with {EMBEDDINGS}=false (MILLM_{EMBEDDINGS.upper()})"}
+    refusals = {} if embeddings else {Capability.EMBEDDINGS: f"the model was loaded with {EMBEDDINGS.name}=false (MILLM_{EMBEDDINGS.name.upper()})"}
     engine = GGUFEngine(llm, info, capabilities, parallel, refusals)
     log.info("gguf_loaded", model=served, quantization=tag, context=context, kv_cells=cells, parallel=parallel, threads=threads, seconds=round(time.perf_counter() - started, 2))
     return engine

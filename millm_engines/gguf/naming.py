@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Iterable
 
-from millm_core.errors import ConfigError, InvalidRequest, ModelNotFound
+from millm_core.api import ConfigError, InvalidRequest, ModelNotFound
 
 # Tags as llama.cpp's quantize tool names them, longest first so Q4_K_M beats Q4_K.
 _TAGS = sorted(

@@ -8,18 +8,22 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from millm_core.config import PluginSetting, Settings, parse_bool
-from millm_core.engine import Capability, EngineFactory, ModelLocation, ModelSource
-from millm_core.hookspecs import hookimpl
-from millm_core.registry import ModelRegistry, ServedModel
+from millm_core.api import (
+    Capability,
+    EngineFactory,
+    ModelLocation,
+    ModelRegistry,
+    ModelSource,
+    PluginSetting,
+    ServedModel,
+    Settings,
+    hookimpl,
+    parse_bool,
+)
 
 MILLM_PLUGIN_KIND = "engine"
 NAME = "gguf"
 ENGINE = "llama.cpp"
-EMBEDDINGS = "gguf_enable_embeddings"
-PARALLEL = "gguf_parallel"
-KV_CELLS = "gguf_kv_cells"
-
 CAPABILITIES = frozenset({Capability.GENERATE, Capability.EMBEDDINGS})
 
 
@@ -45,11 +49,15 @@ def millm_register_engines(register: Callable[[EngineFactory], None]) -> None:
     register(EngineFactory(name=NAME, capabilities=CAPABILITIES, can_load=_can_load, load=_load))
 
 
+EMBEDDINGS = PluginSetting("gguf_enable_embeddings", True, "load GGUF models able to embed (a second, embeddings-only llama.cpp context)", parse_bool)
+PARALLEL = PluginSetting("gguf_parallel", 8, "sequences a GGUF model decodes together (concurrent requests share its batch)", _positive)
+KV_CELLS = PluginSetting("gguf_kv_cells", 0, "KV-cache cells shared by those sequences (0: the context × parallel, at most 16384)", _positive)
+
+
 @hookimpl
-def millm_register_settings(register: Callable[[PluginSetting], None]) -> None:
-    register(PluginSetting(EMBEDDINGS, True, "load GGUF models able to embed (a second, embeddings-only llama.cpp context)", parse_bool))
-    register(PluginSetting(PARALLEL, 8, "sequences a GGUF model decodes together (concurrent requests share its batch)", _positive))
-    register(PluginSetting(KV_CELLS, 0, "KV-cache cells shared by those sequences (0: the context × parallel, at most 16384)", _positive))
+def millm_register_settings(register: Callable[[PluginSetting[Any]], None]) -> None:
+    for setting in (EMBEDDINGS, PARALLEL, KV_CELLS):
+        register(setting)
 
 
 def _cached(repo: str, tag: str, path: str) -> ModelSource:

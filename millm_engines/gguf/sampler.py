@@ -9,8 +9,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from millm_core.engine import SamplingParams
-from millm_core.rng import uniform
+from millm_core.api import SamplingParams, uniform
 
 
 def sample_row(logits: np.ndarray, params: SamplingParams, position: int, bias: Mapping[int, float] | None = None) -> int:

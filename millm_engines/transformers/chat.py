@@ -15,7 +15,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from millm_core.chatformat import generic_chat_text, render_with_continuation
+from millm_core.api import generic_chat_text, render_with_continuation
 
 
 def render_chat_text(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any]) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from millm_core.engine import ModelInfo, RowSpec, SamplingParams
+from millm_core.api import ModelInfo, RowSpec, SamplingParams
 
 from .chat import render_chat_ids
 from .fastpath import KVCache, LlamaDecoder

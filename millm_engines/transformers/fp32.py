@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from millm_core.errors import ScoringPrecisionUnavailable
+from millm_core.api import ScoringPrecisionUnavailable
 
 
 def available_memory_bytes() -> int:

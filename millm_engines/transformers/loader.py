@@ -13,12 +13,11 @@ from transformers import (
     GenerationConfig,
 )
 
-from millm_core.config import Settings
-from millm_core.engine import ModelInfo, ModelLocation
-from millm_core.errors import ConfigError
+from millm_core.api import ConfigError, ModelInfo, ModelLocation, Settings
 
 from .engine import TransformersEngine
 from .fastpath import LlamaDecoder, unsupported_reason
+from .settings import FAST_DECODE
 
 log = structlog.get_logger("millm.engine.transformers")
 
@@ -87,7 +86,7 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
         created=int(os.path.getmtime(os.path.join(path, "config.json"))),
     )
     fast = None
-    reason = unsupported_reason(model) if settings.fast_decode else "disabled by --fast-decode false"
+    reason = unsupported_reason(model) if FAST_DECODE.get(settings) else "disabled by --fast-decode false"
     if reason is None:
         fast = LlamaDecoder(model)
     log.info(

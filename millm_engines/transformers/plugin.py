@@ -1,12 +1,15 @@
-"""Registers the transformers engine. Importing this module does not import torch."""
+"""Registers the transformers engine and its settings. Importing this module does not
+import torch."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from typing import Any
 
-from millm_core.config import Settings
-from millm_core.engine import Capability, EngineFactory, ModelLocation
-from millm_core.hookspecs import hookimpl
+from millm_core.api import Capability, EngineFactory, ModelLocation, PluginSetting, Settings, hookimpl
+
+from .settings import FAST_DECODE
 
 MILLM_PLUGIN_KIND = "engine"
 
@@ -31,6 +34,9 @@ def _can_load(location: ModelLocation) -> bool:
 
 
 def _load(location: ModelLocation, settings: Settings) -> object:
+    # millm never downloads: make the Hugging Face libraries fail instead of fetching.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from .loader import load_engine
 
     return load_engine(location, settings)
@@ -39,3 +45,8 @@ def _load(location: ModelLocation, settings: Settings) -> object:
 @hookimpl
 def millm_register_engines(register: Callable[[EngineFactory], None]) -> None:
     register(EngineFactory(name="transformers", capabilities=CAPABILITIES, can_load=_can_load, load=_load))
+
+
+@hookimpl
+def millm_register_settings(register: Callable[[PluginSetting[Any]], None]) -> None:
+    register(FAST_DECODE)

@@ -12,8 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from millm_core.engine import SamplingParams
-from millm_core.rng import uniform
+from millm_core.api import SamplingParams, uniform
 
 
 def apply_biases(logits: torch.Tensor, biases: Sequence[Mapping[int, float] | None]) -> None:

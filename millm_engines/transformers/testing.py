@@ -5,6 +5,10 @@ seconds from local text (the interpreter's own standard library) and cached on d
 The weights are random (fixed seed): outputs are meaningless but deterministic, which is
 what tests of serving mechanics need. torch and transformers are imported inside the
 builder only.
+
+This module is also a pytest plugin (entry point ``millm_transformers =
+"millm_engines.transformers.testing"`` in the ``pytest11`` group): its fixture
+``millm_tiny_model`` is the tiny model loaded once per session.
 """
 
 from __future__ import annotations
@@ -14,6 +18,12 @@ import os
 import shutil
 import sysconfig
 import tempfile
+from typing import TYPE_CHECKING, Any, cast
+
+import pytest
+
+if TYPE_CHECKING:
+    from millm_core.api import ServedModel
 
 TINY_VERSION = "tiny-llama-v1"
 BOS, EOS, PAD = "<s>", "<|im_end|>", "<pad>"
@@ -37,7 +47,7 @@ def _corpus() -> list[str]:
     return texts
 
 
-def build_tokenizer(vocab_size: int = 1024):  # noqa: ANN201 - returns PreTrainedTokenizerFast
+def build_tokenizer(vocab_size: int = 1024) -> Any:  # a PreTrainedTokenizerFast
     from tokenizers import (
         Tokenizer,
         decoders,
@@ -129,3 +139,26 @@ def tiny_model_dir(root: str | None = None, *, chat_template: bool = True) -> st
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def load_tiny_model(path: str | None = None, served_name: str = "tiny") -> ServedModel:
+    """The tiny model (built by :func:`tiny_model_dir` unless ``path`` is given) loaded on
+    the transformers engine with default settings, served as ``served_name``."""
+    from millm_core.api import Engine, ModelLocation, ServedModel, Settings, local_revision
+
+    from .loader import load_engine
+
+    path = path or tiny_model_dir()
+    location = ModelLocation(path=path, served_name=served_name, revision=local_revision(path))
+    engine = load_engine(location, Settings(log_level="warning"))
+    # mypy cannot see that an engine with its own batch type is an Engine.
+    return ServedModel(info=engine.info, engine=cast("Engine", engine))
+
+
+@pytest.fixture(scope="session")
+def millm_tiny_model() -> ServedModel:
+    """The tiny Llama-architecture model (random weights, byte-level BPE tokenizer, ChatML
+    template), built once and cached under ``~/.cache/millm/test-models``, loaded once per
+    session on the transformers engine and served as ``tiny``. Pass it to
+    ``millm_server_factory`` or drive ``millm_tiny_model.engine`` directly."""
+    return load_tiny_model()

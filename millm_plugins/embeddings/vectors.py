@@ -7,7 +7,7 @@ import math
 import struct
 from collections.abc import Sequence
 
-from millm_core.errors import ContextLengthExceeded, InvalidRequest, MillmError
+from millm_core.api import ContextLengthExceeded, InvalidRequest, MillmError
 
 LISTED_OVER_LIMIT = 16
 

@@ -3,27 +3,39 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import msgspec
-from starlette.responses import Response
+from msgspec import Meta
 
-from millm_core.context import RequestContext
-from millm_core.engine import Capability
-from millm_core.fields import ALL_ENDPOINTS, FieldRule
-from millm_core.hookspecs import hookimpl
-from millm_core.pipeline_types import ForwardPlan, RowInfo
-from millm_core.registry import ServedModel
-from millm_core.server.routes.chat import SHAPES as CHAT_SHAPES
-from millm_core.server.routes.common import generate
-from millm_core.server.routes.completions import SHAPES as COMPLETION_SHAPES
+from millm_core.api import (
+    ALL_ENDPOINTS,
+    Capability,
+    Execution,
+    FieldRule,
+    Finalization,
+    ForwardPlan,
+    Generate,
+    Outcome,
+    RequestContext,
+    RequestField,
+    RowInfo,
+    ServedModel,
+    hookimpl,
+)
 
 from .processors import Penalties, StopSequences
 
 NAME = "sampling"
 # top_k 0 selects the 20-candidate cap (the Ignis convention); absent means no top-k filter.
 TOP_K_ZERO_MEANS = 20
+SEED_HEADER = "X-miLLM-Seed"
+
+TopK = Annotated[int, Meta(ge=0, le=20, description="0 caps sampling at 20 candidates")]
+TOP_K: RequestField[int] = RequestField(
+    "top_k", TopK, ALL_ENDPOINTS, owner=NAME, description="keep the k likeliest tokens before sampling (0: the 20-candidate cap)"
+)
 
 
 def _set(value: Any) -> bool:
@@ -31,8 +43,13 @@ def _set(value: Any) -> bool:
 
 
 @hookimpl
+def millm_register_request_fields(register: Callable[[RequestField[Any]], None]) -> None:
+    register(TOP_K)
+
+
+@hookimpl
 def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
-    for name in ("temperature", "top_p", "top_k", "stop", "frequency_penalty", "presence_penalty"):
+    for name in ("temperature", "top_p", "stop", "frequency_penalty", "presence_penalty"):
         register(FieldRule(name, ALL_ENDPOINTS, by=NAME))
     for name in ("stream", "stream_options", "max_tokens", "max_completion_tokens"):
         register(FieldRule(name, ALL_ENDPOINTS, by=NAME, requires=Capability.GENERATE))
@@ -41,12 +58,11 @@ def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
 
 
 @hookimpl(trylast=True)
-def millm_execute(ctx: RequestContext, request: Any, model: ServedModel, state: Any) -> Awaitable[Response] | None:
-    """Generation serves every request no other plugin took."""
-    if Capability.GENERATE not in model.capabilities:
+def millm_execute(ctx: RequestContext, request: Any, model: ServedModel) -> Execution | None:
+    """Generation serves every chat or text completion no other plugin took."""
+    if ctx.endpoint == "embeddings" or Capability.GENERATE not in model.capabilities:
         return None
-    shapes = CHAT_SHAPES if ctx.endpoint == "chat.completions" else COMPLETION_SHAPES
-    return generate(state, ctx, request, model, shapes)
+    return Generate()
 
 
 def seed_header(seed: int) -> str:
@@ -61,11 +77,12 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
         changes["temperature"] = float(request.temperature)
     if _set(request.top_p):
         changes["top_p"] = float(request.top_p)
-    if _set(request.top_k):
-        changes["top_k"] = int(request.top_k) or TOP_K_ZERO_MEANS
+    top_k = TOP_K.get(request)
+    if top_k is not None:
+        changes["top_k"] = int(top_k) or TOP_K_ZERO_MEANS
     if _set(request.seed):
         changes["seed"] = int(request.seed)
-        ctx.set_header("X-miLLM-Seed", seed_header(int(request.seed)))
+        ctx.set_header(SEED_HEADER, seed_header(int(request.seed)))
     if changes:
         plan.sampling = msgspec.structs.replace(plan.sampling, **changes)
 
@@ -85,3 +102,11 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
             return Penalties(frequency, presence)
 
         plan.add_processor(_penalties)
+
+
+@hookimpl
+def millm_finalize(ctx: RequestContext, request: Any, outcome: Outcome, out: Finalization) -> None:
+    """A scored request's seed changes nothing it returns, but the promise is stated the
+    same way as for generation (pre-forward already set it there)."""
+    if outcome.kind == "scoring" and ctx.endpoint != "embeddings" and _set(request.seed):
+        out.headers[SEED_HEADER] = seed_header(int(request.seed))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from millm_core.errors import MillmError
+from millm_core.api import MillmError
 
 
 class NonFiniteLogits(MillmError):

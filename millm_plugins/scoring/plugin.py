@@ -3,30 +3,38 @@ prompt, nothing generated, the next token's log-probabilities returned."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
-from starlette.responses import Response
 
-from millm_core.codec import encode
-from millm_core.config import PluginSetting
-from millm_core.context import RequestContext
-from millm_core.contracts.chat import ChatCompletionRequest
-from millm_core.contracts.common import Usage
-from millm_core.engine import Capability, Scorer
-from millm_core.errors import InvalidRequest
-from millm_core.fields import ALL_ENDPOINTS, FieldRule
-from millm_core.hookspecs import hookimpl
-from millm_core.pipeline_types import Problem
-from millm_core.registry import ServedModel
-from millm_core.server.pipeline import prompt_ids
-from millm_core.server.respond import response_headers
+from millm_core.api import (
+    ALL_ENDPOINTS,
+    Capability,
+    ChatCompletionRequest,
+    ChoiceResult,
+    Compute,
+    Execution,
+    FieldRule,
+    InvalidRequest,
+    Outcome,
+    PluginSetting,
+    Problem,
+    Reply,
+    RequestContext,
+    RequestField,
+    Scorer,
+    ServedModel,
+    Usage,
+    hookimpl,
+    prompt_ids,
+)
 
 from .logprobs import score_row
 from .schema import (
+    FIELDS,
+    PRECISION,
     ChatLogprobs,
     ChatScoringChoice,
     ChatScoringResponse,
@@ -38,9 +46,11 @@ from .schema import (
     TopLogprob,
 )
 
-NAME = "scoring"
-DEVICE = "scoring_float32_device"
-HEADROOM = "scoring_float32_headroom_mb"
+NAME = "scoring"  # the owner named in schema.FIELDS
+PRECISION_HEADER = "X-miLLM-Scoring-Precision"
+
+DEVICE = PluginSetting("scoring_float32_device", "auto", "where float32 scoring copies go: auto, cpu or a device name")
+HEADROOM = PluginSetting("scoring_float32_headroom_mb", 1024, "memory (MiB) to leave free beside a float32 scoring copy", int)
 MAX_ALTERNATIVES = 20
 MIN_TEMPERATURE = 0.001
 # Fields that cannot change a scored answer; sent with a scoring request they are reported.
@@ -56,16 +66,16 @@ def _sent(value: Any) -> bool:
 def is_scoring(request: Any) -> bool:
     """Scoring mode: ``logprobs`` (an integer on completions, ``true`` on chat) or
     ``allowed_token_ids``."""
-    if _sent(request.allowed_token_ids):
+    if _sent(getattr(request, "allowed_token_ids", None)):
         return True
-    logprobs = request.logprobs
+    logprobs = getattr(request, "logprobs", None)
     return _sent(logprobs) and logprobs is not False
 
 
 @hookimpl
-def millm_register_settings(register: Callable[[PluginSetting], None]) -> None:
-    register(PluginSetting(DEVICE, "auto", "where float32 scoring copies go: auto, cpu or a device name"))
-    register(PluginSetting(HEADROOM, 1024, "memory (MiB) to leave free beside a float32 scoring copy", int))
+def millm_register_settings(register: Callable[[PluginSetting[Any]], None]) -> None:
+    register(DEVICE)
+    register(HEADROOM)
 
 
 @hookimpl
@@ -75,12 +85,14 @@ def millm_register_schemas(register: Callable[[str, type], None]) -> None:
 
 
 @hookimpl
+def millm_register_request_fields(register: Callable[[RequestField[Any]], None]) -> None:
+    for field in FIELDS:
+        register(field)
+
+
+@hookimpl
 def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
     scoring = "scoring mode"
-    for name in ("logprobs", "allowed_token_ids", "return_tokens_as_token_ids"):
-        register(FieldRule(name, ALL_ENDPOINTS, by=NAME, requires=Capability.SCORING, condition=scoring))
-    register(FieldRule("top_logprobs", ("chat.completions",), by=NAME, requires=Capability.SCORING, condition="with logprobs: true"))
-    register(FieldRule("scoring_precision", ("completions",), by=NAME, requires=Capability.SCORING, condition=scoring))
     # What a scoring request needs even where nothing generates (--plugins scoring).
     for name in ("max_tokens", "max_completion_tokens", "n", "temperature"):
         register(FieldRule(name, ALL_ENDPOINTS, by=NAME, requires=Capability.SCORING, condition=scoring))
@@ -90,13 +102,13 @@ def _problems_outside_scoring(request: Any) -> Iterable[Problem]:
     chat = isinstance(request, ChatCompletionRequest)
     if chat and _sent(request.top_logprobs) and request.logprobs is not True:
         yield Problem("top_logprobs needs logprobs: true", param="top_logprobs")
-    if request.scoring_precision == "float32":
+    if PRECISION.get(request) == "float32":
         yield Problem(
             'scoring_precision "float32" applies to scoring requests only (logprobs with max_tokens: 1)',
             param="scoring_precision",
             code="field_not_honoured",
         )
-    if request.return_tokens_as_token_ids is True:
+    if getattr(request, "return_tokens_as_token_ids", None) is True:
         yield Problem("return_tokens_as_token_ids applies to scoring requests only", param="return_tokens_as_token_ids", code="field_not_honoured")
 
 
@@ -120,8 +132,6 @@ def _problems_when_scoring(ctx: RequestContext, request: Any) -> Iterable[Proble
             yield Problem(f"top_logprobs must be 0–{MAX_ALTERNATIVES}", param="top_logprobs")
         if _sent(request.top_logprobs) and request.logprobs is not True:
             yield Problem("top_logprobs needs logprobs: true", param="top_logprobs")
-        if request.scoring_precision == "float32":
-            yield Problem('scoring_precision "float32" is served on /v1/completions scoring only', param="scoring_precision", code="field_not_honoured")
     else:
         logprobs = request.logprobs
         if _sent(logprobs) and (isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_ALTERNATIVES):
@@ -140,10 +150,12 @@ def _problems_when_scoring(ctx: RequestContext, request: Any) -> Iterable[Proble
 
 @hookimpl
 def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
+    if ctx.endpoint == "embeddings":
+        return []
     if not is_scoring(request):
         return list(_problems_outside_scoring(request))
     for name in INERT_WHEN_SCORING:
-        if _sent(getattr(request, name)):
+        if _sent(getattr(request, name, None)):
             ctx.ignored_fields.append(name)
     return list(_problems_when_scoring(ctx, request))
 
@@ -152,11 +164,9 @@ def _key(engine: Scorer, token: int, by_id: bool) -> str:
     return f"{SCORING_KEY_PREFIX}{token}" if by_id else engine.token_text(token)
 
 
-async def _score(ctx: RequestContext, request: Any, model: ServedModel, state: Any) -> Response:
-    engine = model.engine
-    assert isinstance(engine, Scorer)
-    chat = isinstance(request, ChatCompletionRequest)
-    if chat:
+def _prompts(ctx: RequestContext, request: Any, model: ServedModel, engine: Scorer) -> tuple[list[list[int]], list[str]]:
+    """The prompts to score, tokenised as generation would, and their texts (completions)."""
+    if isinstance(request, ChatCompletionRequest):
         if not getattr(getattr(engine, "tokenizer", None), "chat_template", None):
             raise InvalidRequest(
                 f"'{model.info.served_name}' has no chat template; scoring would score a prompt the model never saw. "
@@ -164,28 +174,31 @@ async def _score(ctx: RequestContext, request: Any, model: ServedModel, state: A
                 code="no_chat_template",
                 param="messages",
             )
-        prompts = prompt_ids(ctx, request, model)
-        texts = [""]
-    else:
-        add_special = request.add_special_tokens if _sent(request.add_special_tokens) else True
-        texts = request.prompts()
-        prompts = [engine.encode(text, add_special_tokens=bool(add_special)) for text in texts]
-        for index, ids in enumerate(prompts):
-            if not ids:
-                raise InvalidRequest("the prompt tokenises to nothing", code="invalid_scoring_request", param="prompt" if len(prompts) == 1 else f"prompt[{index}]")
+        return prompt_ids(ctx, request, model), [""]
+    add_special = request.add_special_tokens if _sent(request.add_special_tokens) else True
+    texts = request.prompts()
+    prompts = [model.engine.encode(text, add_special_tokens=bool(add_special)) for text in texts]
+    for index, ids in enumerate(prompts):
+        if not ids:
+            raise InvalidRequest("the prompt tokenises to nothing", code="invalid_scoring_request", param="prompt" if len(prompts) == 1 else f"prompt[{index}]")
+    return prompts, texts
+
+
+async def _score(ctx: RequestContext, request: Any, model: ServedModel, prompts: list[list[int]], texts: list[str]) -> Reply:
+    engine = model.engine
+    assert isinstance(engine, Scorer)
+    chat = isinstance(request, ChatCompletionRequest)
     allowed = list(request.allowed_token_ids) if _sent(request.allowed_token_ids) else None
     vocab = model.info.vocab_size
     if allowed and any(t >= vocab for t in allowed):
         bad = sorted({t for t in allowed if t >= vocab})
         raise InvalidRequest(f"token ids {bad} are outside the vocabulary (size {vocab})", code="invalid_scoring_request", param="allowed_token_ids")
-    precision = request.scoring_precision if _sent(request.scoring_precision) else None
+    precision = PRECISION.get(request)
     float32 = precision == "float32"
-    device, headroom = ctx.settings.plugin(DEVICE), int(ctx.settings.plugin(HEADROOM))
-    logits = await asyncio.wrap_future(
-        state.scheduler.call(lambda: engine.next_token_logits(prompts, float32=float32, float32_device=device, headroom_mb=headroom))
-    )
+    device, headroom = DEVICE.get(ctx.settings), HEADROOM.get(ctx.settings)
+    logits = await ctx.app.run_model(lambda: engine.next_token_logits(prompts, float32=float32, float32_device=device, headroom_mb=headroom))
     temperature = float(request.temperature) if _sent(request.temperature) else 0.0
-    by_id = request.return_tokens_as_token_ids is True
+    by_id = getattr(request, "return_tokens_as_token_ids", None) is True
     if chat:
         wants = request.logprobs is True
         top = int(request.top_logprobs) if _sent(request.top_logprobs) else 0
@@ -196,13 +209,8 @@ async def _score(ctx: RequestContext, request: Any, model: ServedModel, state: A
     created, rid = ctx.created, uuid.uuid4().hex
     prompt_tokens = sum(len(p) for p in prompts)
     usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0, total_tokens=prompt_tokens)
-    headers = response_headers(ctx, info.served_name)
-    # Scoring passes carry no steering delta (and no per-request state at all).
-    headers["X-miLLM-Steering"] = "none"
-    if precision:
-        headers["X-miLLM-Scoring-Precision"] = precision
-    if _sent(request.seed):
-        headers["X-miLLM-Seed"] = f'{request.seed};scope="request"'
+    headers: dict[str, str] = {PRECISION_HEADER: str(precision)} if precision else {}
+    outcome_choices: list[ChoiceResult] = []
     if chat:
         scored = score_row(logits[0], allowed, temperature, min(top, len(allowed)) if allowed else top)
         token, logprob = scored.best
@@ -212,6 +220,7 @@ async def _score(ctx: RequestContext, request: Any, model: ServedModel, state: A
             tops = [TopLogprob(token=_key(engine, t, by_id), logprob=lp, bytes=list(engine.token_text(t).encode())) for t, lp in scored.candidates]
             logprobs = ChatLogprobs(content=[TokenLogprob(token=_key(engine, token, by_id), logprob=logprob, bytes=list(text.encode()), top_logprobs=tops)])
         choice = ChatScoringChoice(index=0, message=ScoredMessage(content=text), logprobs=logprobs)
+        outcome_choices.append(ChoiceResult(index=0, text=text, finish_reason="length", completion_tokens=0))
         body: msgspec.Struct = ChatScoringResponse(
             id=f"chatcmpl-{rid}", created=created, model=info.served_name, system_fingerprint=info.system_fingerprint, choices=[choice], usage=usage
         )
@@ -228,17 +237,22 @@ async def _score(ctx: RequestContext, request: Any, model: ServedModel, state: A
                     alternatives.setdefault(_key(engine, t, by_id), lp)  # colliding texts: one entry, the likelier
                 legacy = CompletionLogprobs(tokens=[_key(engine, token, by_id)], token_logprobs=[logprob], top_logprobs=[alternatives], text_offset=[len(text_in)])
             choices.append(CompletionScoringChoice(index=index, text=text, logprobs=legacy))
+            outcome_choices.append(ChoiceResult(index=index, text=text, finish_reason="length", completion_tokens=0))
         response = CompletionScoringResponse(
             id=f"cmpl-{rid}", created=created, model=info.served_name, system_fingerprint=info.system_fingerprint, choices=choices, usage=usage
         )
         if precision:
             response.scoring_precision = precision
         body = response
-    return Response(encode(body), media_type="application/json", headers=headers)
+    outcome = Outcome(choices=tuple(outcome_choices), prompt_tokens=prompt_tokens, completion_tokens=0, kind="scoring")
+    return Reply(body=body, outcome=outcome, headers=headers)
 
 
 @hookimpl
-def millm_execute(ctx: RequestContext, request: Any, model: ServedModel, state: Any) -> Awaitable[Response] | None:
-    if not is_scoring(request) or Capability.SCORING not in model.capabilities or not isinstance(model.engine, Scorer):
+def millm_execute(ctx: RequestContext, request: Any, model: ServedModel) -> Execution | None:
+    engine = model.engine
+    if ctx.endpoint == "embeddings" or not is_scoring(request) or Capability.SCORING not in model.capabilities or not isinstance(engine, Scorer):
         return None
-    return _score(ctx, request, model, state)
+    # Tokenised now, before the run: what rendering reports is seen by strict mode.
+    prompts, texts = _prompts(ctx, request, model, engine)
+    return Compute(lambda: _score(ctx, request, model, prompts, texts))

@@ -10,16 +10,17 @@ from typing import Any
 
 import msgspec
 
-from millm_core.contracts.chat import ChatCompletionRequest
-from millm_core.contracts.completions import CompletionRequest
-from millm_core.contracts.errors import ErrorResponse
+from millm_core.api import ErrorResponse, request_types_with
 
-from .schema import ChatScoringResponse, CompletionScoringResponse
+from .schema import FIELDS, ChatScoringResponse, CompletionScoringResponse
 
 VERSION = "millm-scoring-api-v1"
 
 
 def scoring_document() -> dict[str, Any]:
+    # The request types of a scoring-only server (``--plugins scoring``).
+    requests = request_types_with(FIELDS)
+    CompletionRequest, ChatCompletionRequest = requests["completions"], requests["chat.completions"]  # noqa: N806
     types = [CompletionRequest, CompletionScoringResponse, ChatCompletionRequest, ChatScoringResponse, ErrorResponse]
     (completion_req, completion_resp, chat_req, chat_resp, error), defs = msgspec.json.schema_components(types)
     return {
@@ -50,7 +51,7 @@ def render() -> str:
 
 
 if __name__ == "__main__":  # pragma: no cover - exercised by `make schemas`
-    from millm_core.logs import configure_logging
+    from millm_core.api import configure_logging
 
     configure_logging("console", "warning")
     with open(sys.argv[1] if len(sys.argv) > 1 else f"docs/schemas/{VERSION}.json", "w") as fh:

@@ -1,13 +1,40 @@
-"""Wire Structs of scoring responses (OpenAI's legacy and chat logprobs shapes)."""
+"""The scoring plugin's request fields, and the wire Structs of scoring responses
+(OpenAI's legacy and chat logprobs shapes)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from millm_core.contracts.common import Usage
+from millm_core.api import ALL_ENDPOINTS, Capability, RequestField, Usage
+
+OWNER = "scoring"
+SCORING_MODE = "scoring mode"
+
+LOGPROBS: RequestField[bool | int] = RequestField(
+    "logprobs", bool | int, ALL_ENDPOINTS, owner=OWNER, neutral=lambda v: v is False, requires=Capability.SCORING,
+    condition=SCORING_MODE, description="scoring mode: true on chat, the number of alternatives (0-20) on completions",
+)  # fmt: skip
+TOP_LOGPROBS: RequestField[int] = RequestField(
+    "top_logprobs", int, ("chat.completions",), owner=OWNER, requires=Capability.SCORING,
+    condition="with logprobs: true", description="alternatives to list (0-20) beside the scored token",
+)  # fmt: skip
+ALLOWED_TOKEN_IDS: RequestField[list[int]] = RequestField(
+    "allowed_token_ids", list[int], ALL_ENDPOINTS, owner=OWNER, requires=Capability.SCORING,
+    condition=SCORING_MODE, description="scoring mode: rank only these token ids",
+)  # fmt: skip
+TOKENS_AS_IDS: RequestField[bool] = RequestField(
+    "return_tokens_as_token_ids", bool, ALL_ENDPOINTS, owner=OWNER, neutral=lambda v: v is False,
+    requires=Capability.SCORING, condition=SCORING_MODE, description='name tokens as "token_id:<id>"',
+)  # fmt: skip
+Precision = Literal["native", "float32"]
+PRECISION: RequestField[Precision] = RequestField(
+    "scoring_precision", Precision, ("completions",), owner=OWNER, neutral=lambda v: v == "native",
+    requires=Capability.SCORING, condition=SCORING_MODE, description="float32: score on a temporary float32 copy of the model",
+)  # fmt: skip
+FIELDS: tuple[RequestField[Any], ...] = (LOGPROBS, TOP_LOGPROBS, ALLOWED_TOKEN_IDS, TOKENS_AS_IDS, PRECISION)
 
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):

@@ -17,7 +17,7 @@ import tempfile
 import structlog
 from tqdm import tqdm
 
-from millm_core.errors import ConfigError
+from millm_core.api import ConfigError
 
 log = structlog.get_logger("millm.smollm2")
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from millm_core.config import Settings, cache_root
-from millm_core.engine import ModelLocation, ModelSource
-from millm_core.hookspecs import hookimpl
+from millm_core.api import ModelLocation, ModelSource, Settings, cache_root, hookimpl
 
 from .convert import MODEL_NAME, QUANTIZATION
 

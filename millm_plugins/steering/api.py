@@ -6,7 +6,6 @@ Every write to the live state (attach, detach, manual values) moves the steering
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import msgspec
@@ -14,11 +13,20 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from millm_core.codec import convert, decode_json, encode
-from millm_core.engine import Capability, ResidualReader
-from millm_core.errors import FieldNotHonoured, InvalidRequest, ModelNotLoaded
-from millm_core.openapi import RouteDoc
-from millm_core.server.routes.common import app_state, read_body
+from millm_core.api import (
+    AppContext,
+    Capability,
+    FieldNotHonoured,
+    InvalidRequest,
+    ModelNotLoaded,
+    PluginSetting,
+    ResidualReader,
+    RouteDoc,
+    StashKey,
+    app_context,
+    json_response,
+    read_json,
+)
 
 from .apply import Dials, plan_for, report
 from .inline import Feature
@@ -26,9 +34,18 @@ from .profiles import check_features
 from .registry import SteeringState
 from .sae import SAE
 
-STATE_KEY = "steering"
-FLOOR = "cluster_intensity_min"
-CEILING = "cluster_intensity_max"
+STATE = StashKey[SteeringState]("steering.state")
+
+
+def _fraction(value: str) -> float:
+    number = float(value)
+    if not 0.0 <= number <= 2.0:
+        raise ValueError("must be in [0, 2]")
+    return number
+
+
+FLOOR = PluginSetting("cluster_intensity_min", 0.5, 'the dial\'s "min" for clusters and profiles that declare no intensity_range', _fraction)
+CEILING = PluginSetting("cluster_intensity_max", 2.0, 'the dial\'s "max" (and cap) for clusters and profiles that declare no intensity_range', _fraction)
 
 
 class RegisterSAE(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -126,30 +143,21 @@ class LiveState(msgspec.Struct, kw_only=True):
     steering: str  # the X-miLLM-Steering value such a request would report
 
 
-def state_of(app: Any) -> SteeringState:
-    """The app's steering state (created on first use; it migrates the database)."""
-    state = app.extra.get(STATE_KEY)
-    if state is None:
-        state = app.extra[STATE_KEY] = SteeringState(store=app.store)
-    assert isinstance(state, SteeringState)
-    return state
+def state_of(app: AppContext) -> SteeringState:
+    """The app's steering state, created by the plugin's ``millm_startup``."""
+    return app.stash[STATE]
 
 
-def dials_of(app: Any) -> Dials:
-    return Dials(floor=float(app.settings.plugin(FLOOR)), ceiling=float(app.settings.plugin(CEILING)))
+def dials_of(app: AppContext) -> Dials:
+    return Dials(floor=float(FLOOR.get(app.settings)), ceiling=float(CEILING.get(app.settings)))
 
 
 def steering_state(request: Request) -> SteeringState:
-    return state_of(app_state(request))
+    return state_of(app_context(request))
 
 
 async def body_of(request: Request, type_: type[Any]) -> Any:
-    raw = await read_body(request, app_state(request).settings.max_body_bytes)
-    return convert(decode_json(raw or b"{}"), type_)
-
-
-def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(encode(obj), status_code=status, media_type="application/json")
+    return await read_json(request, type_)
 
 
 def _info(state: SteeringState, sae_id: str, path: str, sae: SAE) -> SAEInfo:
@@ -183,7 +191,7 @@ async def delete_sae(request: Request) -> Response:
 
 async def attach_sae(request: Request) -> Response:
     body = await body_of(request, AttachSAE)
-    state, app = steering_state(request), app_state(request)
+    state, app = steering_state(request), app_context(request)
     model = next(iter(app.models), None)
     if model is None:
         raise ModelNotLoaded("an SAE attaches to the resident model, and none is loaded yet")
@@ -210,7 +218,7 @@ async def detach_sae(request: Request) -> Response:
 async def features(request: Request) -> Response:
     """The SAE's strongest features on a text, read from the resident model, unsteered."""
     body = await body_of(request, FeatureQuery)
-    state, app = steering_state(request), app_state(request)
+    state, app = steering_state(request), app_context(request)
     sae_id = request.path_params["sae_id"]
     sae = state.get(sae_id)
     _, layer = state.entry(sae_id, body.layer)
@@ -227,7 +235,7 @@ async def features(request: Request) -> Response:
         raise InvalidRequest("text has no tokens", param="text")
     if len(ids) > model.info.context_length:
         raise InvalidRequest(f"text is {len(ids)} tokens; the model reads at most {model.info.context_length}", code="context_length_exceeded", param="text")
-    residual = await asyncio.wrap_future(app.scheduler.call(lambda: engine.residuals([ids], layer)[0]))
+    residual = await app.run_model(lambda: engine.residuals([ids], layer)[0])
     acts = sae.encode(residual)
     peak = acts.max(0)
     order = [int(i) for i in np.argsort(-peak, kind="stable")[: body.top_k] if peak[i] > 0]
@@ -242,7 +250,7 @@ class _NoFields:
 
 
 def live_state(request: Request) -> LiveState:
-    state, app = steering_state(request), app_state(request)
+    state, app = steering_state(request), app_context(request)
     manual = [ManualEntry(sae_id=s, layer=layer, features=[Feature(index=i, strength=v) for i, v in sorted(values.items())]) for (s, layer), values in state.manual.items()]
     active = ActiveProfile(name=state.active[0], sae_id=state.active[1][0], layer=state.active[1][1]) if state.active else None
     value = report(plan_for(_NoFields(), state, state.book, dials_of(app)), changed=False)

@@ -8,14 +8,13 @@ dial move the steering epoch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from millm_core.codec import convert, decode_json
-from millm_core.errors import InvalidRequest, MillmError, NotFound
-from millm_core.openapi import RouteDoc
-from millm_core.server.routes.common import app_state, read_body
+from millm_core.api import InvalidRequest, MillmError, NotFound, RouteDoc, app_context, convert
 
 from .api import LiveState, Route, body_of, dials_of, json_response, live_state, steering_state
 from .apply import profile_entry
@@ -100,7 +99,7 @@ def _replace(request: Request) -> bool:
 
 def _activate(request: Request, profile: Profile) -> Response:
     state = steering_state(request)
-    profile_entry(profile, "active", None, state, dials_of(app_state(request)))  # refuses what could not apply
+    profile_entry(profile, "active", None, state, dials_of(app_context(request)))  # refuses what could not apply
     entry = (profile.sae_id, profile.layer)
     state.manual.pop(entry, None)  # the profile claims its entry
     state.active = (profile.name, entry)
@@ -218,7 +217,7 @@ def _cluster(state: SteeringState, name: str) -> Profile:
 async def import_cluster(request: Request) -> Response:
     """A cluster-definition document becomes a profile bound to the SAE attached at
     ``sae.layer`` whose width is ``sae.n_features``."""
-    raw = decode_json(await read_body(request, app_state(request).settings.max_body_bytes) or b"{}")
+    raw = await body_of(request, dict[str, Any])
     doc = convert(raw, ClusterDocument)
     state = steering_state(request)
     candidates = [s for s, layer in state.attachments if layer == doc.sae.layer and state.get(s).d_sae == doc.sae.n_features]
@@ -255,7 +254,7 @@ async def set_intensity(request: Request) -> Response:
     state, name = steering_state(request), request.path_params["name"]
     cluster = _cluster(state, name)
     assert cluster.cluster is not None
-    dials = dials_of(app_state(request))
+    dials = dials_of(app_context(request))
     _, high = bounds(cluster.cluster.intensity_range, dials.floor, dials.ceiling)
     if isinstance(body.intensity, bool) or not 0.0 <= body.intensity <= high:
         raise InvalidRequest(f"intensity must be a number in [0, {high}] for cluster {name!r}", param="intensity")

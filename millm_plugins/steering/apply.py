@@ -20,8 +20,7 @@ from typing import Any
 
 import msgspec
 
-from millm_core.errors import MillmError
-from millm_core.steering import AppliedSet
+from millm_core.api import AppliedSet, MillmError
 
 from . import inline
 from .inline import SAENotAttached
@@ -94,18 +93,17 @@ def plan_for(request: Any, state: SteeringState, book: ProfileBook, dials: Dials
     """Decide a validated request's steering. Raises the request's 4xx (unknown profile,
     profile invalid for the attached SAE, bad inline set)."""
     epoch = state.epoch
-    if _sent(request.steering):
-        steering, _ = inline.parse(request.steering)
-        assert steering is not None  # validated
+    steering = getattr(request, "steering", None)
+    if isinstance(steering, inline.InlineSteering):
         saes = {sae_id: state.get(sae_id) for sae_id, _ in state.attachments}
         resolved = inline.resolve(steering, state.attachments, saes)
         if resolved is None:
             return Plan(epoch=epoch)
         return Plan(entries=_nonempty([Entry("inline", resolved.sae_id, resolved.layer, resolved.applied)]), epoch=epoch)
     dial: Intensity | None = None
-    if _sent(request.steering_intensity):
+    if _sent(getattr(request, "steering_intensity", None)):
         dial, _ = parse_intensity(request.steering_intensity)
-    if _sent(request.profile):
+    if _sent(getattr(request, "profile", None)):
         profile = book.get(request.profile)  # unknown: 404 before anything else
         if not state.attachments:
             return Plan(epoch=epoch)  # nothing to steer with: runs unsteered, no echo

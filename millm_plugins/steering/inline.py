@@ -16,20 +16,22 @@ from typing import Any
 
 import msgspec
 
-from millm_core.errors import InvalidRequest
-from millm_core.pipeline_types import Problem
-from millm_core.steering import AppliedSet
+from millm_core.api import AppliedSet, InvalidRequest, Problem
 
 from .sae import SAE
 
 
 class Feature(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One SAE feature and the strength its decoder direction is added with."""
+
     index: int
     strength: float
 
 
 class InlineSteering(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The request's own feature set, for this request only."""
+    """The request's ``steering``: its own feature set, for this request only.
+    ``sae_id`` may be omitted when exactly one (SAE, layer) is attached; ``features: []``
+    runs explicitly unsteered."""
 
     sae_id: str | None = None
     features: list[Feature]
@@ -47,12 +49,8 @@ def _sent(value: Any) -> bool:
     return value is not None and value is not msgspec.UNSET
 
 
-def parse(raw: Any) -> tuple[InlineSteering | None, list[Problem]]:
-    """The steering object, or the problems with its shape (each naming its path)."""
-    try:
-        steering = msgspec.convert(raw, InlineSteering, strict=True)
-    except msgspec.ValidationError as exc:
-        return None, [Problem(f"steering: {exc}", param="steering")]
+def check(steering: InlineSteering) -> list[Problem]:
+    """The problems with a decoded steering object (each naming its path)."""
     problems: list[Problem] = []
     seen: set[int] = set()
     for position, feature in enumerate(steering.features):
@@ -63,7 +61,7 @@ def parse(raw: Any) -> tuple[InlineSteering | None, list[Problem]]:
         seen.add(feature.index)
     if not steering.features and steering.sae_id is not None:
         problems.append(Problem("features: [] turns steering off on every SAE; sae_id cannot be given with it", param="steering.sae_id"))
-    return steering, problems
+    return problems
 
 
 def conflicts(request: Any) -> list[Problem]:

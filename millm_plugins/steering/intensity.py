@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from millm_core.pipeline_types import Problem
+from millm_core.api import Problem
 
 ENVELOPE = (0.0, 2.0)
 SYMBOLS = ("off", "min", "max")

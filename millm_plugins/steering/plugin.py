@@ -4,29 +4,39 @@ completions, reported in ``X-miLLM-Steering`` (and ``X-miLLM-Steering-Intensity`
 
 Steering is per request: pre-forward decides the request's steering once (:mod:`.apply`)
 and its rows carry their own delta; no global state is written for a request. Scoring and
-embeddings never reach pre-forward, so they are never steered.
+embeddings never reach pre-forward, so they are never steered (finalize says ``none`` for a
+scored request). The plugin's state and tables are created at start-up (``millm_startup``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
-import msgspec
+from msgspec import Meta
 
-from millm_core.commands import Command
-from millm_core.config import PluginSetting
-from millm_core.context import RequestContext, StashKey
-from millm_core.engine import Capability
-from millm_core.fields import ALL_ENDPOINTS, FieldRule
-from millm_core.hookspecs import hookimpl
-from millm_core.pipeline_types import Finalization, ForwardPlan, Outcome, Problem
+from millm_core.api import (
+    ALL_ENDPOINTS,
+    AppContext,
+    Capability,
+    Command,
+    Finalization,
+    ForwardPlan,
+    Outcome,
+    PluginSetting,
+    Problem,
+    RequestContext,
+    RequestField,
+    StashKey,
+    hookimpl,
+)
 
 from . import api, api_profiles
-from .api import CEILING, FLOOR, dials_of, state_of
+from .api import CEILING, FLOOR, STATE, dials_of, state_of
 from .apply import Plan, deltas, plan_for, report
-from .inline import conflicts, parse
+from .inline import InlineSteering, check, conflicts
 from .intensity import parse as parse_intensity
+from .registry import SteeringState
 from .train import COMMAND
 
 NAME = "steering"
@@ -35,22 +45,37 @@ INTENSITY_HEADER = "X-miLLM-Steering-Intensity"
 STREAM_KEY = "millm_steering"
 PLAN = StashKey[Plan]("steering.plan")
 
-
-def _sent(value: Any) -> bool:
-    return value is not None and value is not msgspec.UNSET
-
-
-def _fraction(value: str) -> float:
-    number = float(value)
-    if not 0.0 <= number <= 2.0:
-        raise ValueError("must be in [0, 2]")
-    return number
+ProfileName = Annotated[str, Meta(min_length=1)]
+STEERING: RequestField[InlineSteering] = RequestField(
+    "steering", InlineSteering, ALL_ENDPOINTS, owner=NAME, requires=Capability.STEERING,
+    description="this request's own SAE feature set; features: [] runs unsteered",
+)  # fmt: skip
+PROFILE: RequestField[str] = RequestField(
+    "profile", ProfileName, ALL_ENDPOINTS, owner=NAME, requires=Capability.STEERING,
+    description="a saved profile (or imported cluster) to steer with instead of the live state",
+)  # fmt: skip
+INTENSITY: RequestField[float | str] = RequestField(
+    "steering_intensity", float | str, ALL_ENDPOINTS, owner=NAME, requires=Capability.STEERING,
+    description='the intensity dial λ: a number in [0, 2], or "off", "min", "max"',
+)  # fmt: skip
 
 
 @hookimpl
-def millm_register_settings(register: Callable[[PluginSetting], None]) -> None:
-    register(PluginSetting(FLOOR, 0.5, 'the dial\'s "min" for clusters and profiles that declare no intensity_range', _fraction))
-    register(PluginSetting(CEILING, 2.0, 'the dial\'s "max" (and cap) for clusters and profiles that declare no intensity_range', _fraction))
+def millm_register_settings(register: Callable[[PluginSetting[Any]], None]) -> None:
+    register(FLOOR)
+    register(CEILING)
+
+
+@hookimpl
+def millm_register_request_fields(register: Callable[[RequestField[Any]], None]) -> None:
+    for field in (STEERING, PROFILE, INTENSITY):
+        register(field)
+
+
+@hookimpl
+def millm_startup(app: AppContext) -> None:
+    """Migrate the plugin's tables and load its registrations before the server is ready."""
+    app.stash[STATE] = SteeringState(store=app.store)
 
 
 @hookimpl
@@ -65,25 +90,23 @@ def millm_register_routes(register: Callable[..., None]) -> None:
 
 
 @hookimpl
-def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
-    for name in ("steering", "profile", "steering_intensity"):
-        register(FieldRule(name, ALL_ENDPOINTS, by=NAME, requires=Capability.STEERING))
-
-
-@hookimpl
 def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
     problems: list[Problem] = []
-    if _sent(request.steering):
-        problems += parse(request.steering)[1] + conflicts(request)
-    if _sent(request.steering_intensity):
-        problems += parse_intensity(request.steering_intensity)[1]
+    if ctx.endpoint == "embeddings":
+        return problems
+    steering = STEERING.get(request)
+    if steering is not None:
+        problems += check(steering) + conflicts(request)
+    intensity = INTENSITY.get(request)
+    if intensity is not None:
+        problems += parse_intensity(intensity)[1]
     return problems
 
 
 @hookimpl
 def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> None:
-    state = state_of(ctx.services)
-    steering = plan_for(request, state, state.book, dials_of(ctx.services))
+    state = state_of(ctx.app)
+    steering = plan_for(request, state, state.book, dials_of(ctx.app))
     for layer, vector in deltas(steering, state).items():
         plan.deltas[layer] = vector
     if steering.echo is not None:
@@ -93,8 +116,13 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
 
 @hookimpl
 def millm_finalize(ctx: RequestContext, request: Any, outcome: Outcome, out: Finalization) -> None:
+    if outcome.kind == "embeddings":
+        return  # embeddings are never steered, and say nothing about it
+    if outcome.kind == "scoring":
+        out.headers[HEADER] = "none"  # a scoring pass carries no steering delta
+        return
     steering = ctx.stash.get(PLAN, Plan(unknown="read_failed"))
-    value = report(steering, changed=state_of(ctx.services).epoch != steering.epoch)
+    value = report(steering, changed=state_of(ctx.app).epoch != steering.epoch)
     if ctx.stream:
         out.extensions[STREAM_KEY] = value
     else:

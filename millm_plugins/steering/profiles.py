@@ -15,8 +15,7 @@ from typing import Any
 
 import msgspec
 
-from millm_core.errors import InvalidRequest, MillmError, NotFound
-from millm_core.store import Store
+from millm_core.api import InvalidRequest, MillmError, NotFound, Store
 
 from .inline import Feature, InvalidFeatureIndex
 

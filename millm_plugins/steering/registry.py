@@ -13,8 +13,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from millm_core.errors import InvalidRequest, MillmError, NotFound
-from millm_core.store import Store
+from millm_core.api import InvalidRequest, MillmError, NotFound, Store
 
 from .inline import SAENotAttached
 from .profiles import ProfileBook

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from millm_core.errors import InvalidRequest
+from millm_core.api import InvalidRequest
 
 ARCHITECTURES = ("standard", "jumprelu", "topk")
 

@@ -27,10 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from millm_core.commands import Command
-from millm_core.config import Settings
-from millm_core.engine import ResidualReader
-from millm_core.errors import ConfigError
+from millm_core.api import Command, ConfigError, ResidualReader, Settings
 
 WINDOW = 128  # tokens per forward pass when collecting activations
 BATCH = 1024  # tokens per training step
@@ -195,8 +192,7 @@ def _configure(parser: argparse.ArgumentParser, add_settings: Callable[[argparse
 def _run(args: argparse.Namespace, settings: Settings) -> int:
     from tqdm import tqdm
 
-    from millm_core.loading import load, locate
-    from millm_core.server.app import build_host
+    from millm_core.api import load_served_model
 
     for name, value, low in (("--features", args.features, 1), ("--tokens", args.tokens, 256), ("--epochs", args.epochs, 1)):
         if value < low:
@@ -204,13 +200,12 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     if not (math.isfinite(args.l1) and args.l1 >= 0 and math.isfinite(args.lr) and args.lr > 0):
         raise ConfigError("--l1 must be ≥ 0 and --lr > 0")
     cfg = TrainConfig(layer=args.layer, features=args.features, tokens=args.tokens, epochs=args.epochs, l1=args.l1, lr=args.lr, seed=args.seed)
-    host = build_host(settings)
-    location = locate(settings, host)
-    engine = load(location, settings, host)
+    model = load_served_model(settings)
+    engine = model.engine
     if not isinstance(engine, ResidualReader):
         raise ConfigError(f"the {engine.info.engine} engine cannot read residuals, so it cannot train an SAE")
     if not 0 <= cfg.layer < engine.info.n_layers:
-        raise ConfigError(f"--layer must be 0–{engine.info.n_layers - 1} for {location.served_name}")
+        raise ConfigError(f"--layer must be 0–{engine.info.n_layers - 1} for {model.info.served_name}")
     started = time.monotonic()
     chunks = windows(engine, corpus(args.text), cfg.tokens)
     tokens = sum(len(c) for c in chunks)
@@ -219,8 +214,8 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     with tqdm(total=tokens, desc="activations", unit="tok", file=sys.stderr) as progress:
         acts = collect(engine, chunks, cfg.layer, progress)
     arrays, stats = train(acts, cfg, lambda **kw: tqdm(file=sys.stderr, **kw))
-    write(args.out, arrays, cfg, location.served_name, tokens, stats)
-    summary = {"out": os.path.abspath(args.out), "model": location.served_name, "layer": cfg.layer, "d_sae": cfg.features, "tokens": tokens, **stats}
+    write(args.out, arrays, cfg, model.info.served_name, tokens, stats)
+    summary = {"out": os.path.abspath(args.out), "model": model.info.served_name, "layer": cfg.layer, "d_sae": cfg.features, "tokens": tokens, **stats}
     summary["seconds"] = round(time.monotonic() - started, 1)
     sys.stdout.write(json.dumps(summary) + "\n")
     return 0

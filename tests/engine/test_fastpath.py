@@ -12,6 +12,7 @@ from millm_core.config import load_settings
 from millm_core.engine import ModelLocation, RowSpec, SamplingParams
 from millm_engines.transformers.fastpath import KVCache, LlamaDecoder, unsupported_reason
 from millm_engines.transformers.loader import load_engine
+from millm_engines.transformers.settings import FAST_DECODE
 
 
 # A padded batch of two rows may take other matrix-kernel blockings than HF's separate
@@ -62,7 +63,7 @@ def test_fast_step_is_bit_identical_for_one_row(tiny_engine, dtype: torch.dtype)
 
 
 def test_fast_decode_off_gives_the_same_text(tiny_dir: str, tiny_engine) -> None:  # type: ignore[no-untyped-def]
-    slow = load_engine(ModelLocation(path=tiny_dir, served_name="slow"), load_settings({"fast_decode": False}, environ={}))
+    slow = load_engine(ModelLocation(path=tiny_dir, served_name="slow"), load_settings({"fast_decode": False}, environ={}, plugin_settings=[FAST_DECODE]))
     assert slow.fast is None and tiny_engine.fast is not None
     prompt = tiny_engine.encode("for key in", add_special_tokens=True)
 

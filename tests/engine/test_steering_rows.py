@@ -8,6 +8,7 @@ import torch
 from millm_core.config import load_settings
 from millm_core.engine import ModelLocation, RowSpec, SamplingParams
 from millm_engines.transformers.loader import load_engine
+from millm_engines.transformers.settings import FAST_DECODE
 
 GREEDY = SamplingParams(temperature=0.0)
 LAYER = 1
@@ -42,7 +43,7 @@ def hf_steered_greedy(engine, prompt: list[int], vector: tuple[float, ...], step
 
 @pytest.fixture(scope="module", params=[True, False], ids=["fast-decode", "hf-forward"])
 def engine(request, tiny_dir: str):  # type: ignore[no-untyped-def]
-    return load_engine(ModelLocation(path=tiny_dir, served_name="t"), load_settings({"fast_decode": request.param}, environ={}))
+    return load_engine(ModelLocation(path=tiny_dir, served_name="t"), load_settings({"fast_decode": request.param}, environ={}, plugin_settings=[FAST_DECODE]))
 
 
 def test_steered_row_matches_an_independent_hooked_reference(engine) -> None:  # type: ignore[no-untyped-def]

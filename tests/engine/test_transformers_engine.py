@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from millm_core.engine import RowSpec, SamplingParams
 from millm_core.chatformat import generic_chat_text
+from millm_core.engine import RowSpec, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

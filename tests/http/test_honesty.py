@@ -144,3 +144,33 @@ def test_one_log_event_with_locations_never_values(server) -> None:  # type: ign
     assert events[0]["locations"] == ["user", "note"]
     assert events[0]["log_level"] == "warning"
     assert secret not in repr(logs)
+
+
+def test_an_undeclared_unknown_field_is_only_reported(server) -> None:  # type: ignore[no-untyped-def]
+    """A field no enabled plugin declares, and that is not known to change the output, is
+    reported, never refused or silently dropped."""
+    resp = httpx.post(server.base_url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1, "my_plugin_option": ["x"]})
+    assert resp.status_code == 200
+    assert resp.headers["x-millm-ignored-fields"] == '"my_plugin_option"'
+
+
+def test_known_fields_of_disabled_plugins_are_refused_by_name(make_server) -> None:  # type: ignore[no-untyped-def]
+    """With only the sampling plugin, the steering and scoring plugins' fields are not
+    declared; sent with a value that would change the output they are refused by name,
+    and their neutral values are accepted without a report."""
+    from millm_core.config import load_settings
+    from millm_core.server.app import build_host
+
+    host = build_host(load_settings({"plugins": ("sampling",)}, environ={}))
+    with make_server(host=host) as srv:
+        url = srv.base_url + "/v1/chat/completions"
+        base = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        for field, value in (("steering", {"features": []}), ("profile", "p"), ("logprobs", True), ("response_format", {"type": "json_object"}), ("extra_messages", [[]])):
+            resp = httpx.post(url, json={**base, field: value})
+            assert resp.status_code == 400, (field, resp.text)
+            assert (resp.json()["error"]["code"], resp.json()["error"]["param"]) == ("field_not_honoured", field)
+        neutral = httpx.post(url, json={**base, "logprobs": False, "tools": [], "scoring_precision": "native", "steering": None})
+        assert neutral.status_code == 200, neutral.text
+        assert "x-millm-ignored-fields" not in neutral.headers
+        schema = httpx.get(srv.base_url + "/v1/openapi.json").json()["components"]["schemas"]["ChatCompletionRequest"]
+        assert "steering" not in schema["properties"] and "top_k" in schema["properties"]

@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import pytest
 
-from millm_core.contracts import ENDPOINT_CONTRACTS
+from millm_core.contracts.known import KNOWN_FIELDS
 
 # A valid, non-neutral value for every declared request field. A new contract field
 # without a sample fails test_every_cell_behaves_as_the_table_says.
@@ -20,6 +20,11 @@ SAMPLES: dict[str, Any] = {
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "parallel_tool_calls": False,
     "chat_template_kwargs": {"flag": True}, "add_special_tokens": False, "echo": True, "suffix": "x", "best_of": 2,
     "encoding_format": "float", "pooling": "last", "normalize": True, "dimensions": 8,
+    # Known output-changing fields that no built-in plugin declares yet.
+    "functions": [{"name": "f"}], "function_call": "auto", "reasoning_effort": "low", "prediction": {"type": "content", "content": "x"},
+    "audio": {"voice": "alloy"}, "modalities": ["text", "audio"], "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 2,
+    "ignore_eos": True, "circuit": "c", "probes": ["p"], "extra_messages": [[{"role": "user", "content": "x"}]],
+    "thinking_budget": 8, "enable_thinking": False, "class": "agent",
 }
 # Endpoint-specific samples, and what a conditionally honoured field needs beside it.
 SAMPLE_OVERRIDES: dict[tuple[str, str], Any] = {("logprobs", "completions"): 2}
@@ -50,10 +55,15 @@ def table(base_url: str) -> list[dict[str, Any]]:
 
 
 def test_table_has_one_cell_per_field_endpoint_and_engine(server) -> None:  # type: ignore[no-untyped-def]
+    """Every field the served request schemas declare, and every known output-changing
+    field they do not, has one cell per endpoint and engine."""
     cells = table(server.base_url)
     keys = [(c["field"], c["endpoint"], c["engine"]) for c in cells]
     assert len(keys) == len(set(keys))
-    expected = {(f, e, engine) for e, contract in ENDPOINT_CONTRACTS.items() for f in contract.__struct_fields__ for engine in ("transformers", "gguf")}
+    schemas = httpx.get(server.base_url + "/v1/openapi.json").json()["components"]["schemas"]
+    names = {"chat.completions": "ChatCompletionRequest", "completions": "CompletionRequest", "embeddings": "EmbeddingRequest"}
+    declared = {e: set(schemas[name]["properties"]) for e, name in names.items()}
+    expected = {(f, e, engine) for e, fields in declared.items() for f in fields | set(KNOWN_FIELDS) for engine in ("transformers", "gguf")}
     assert set(keys) == expected
     for cell in cells:
         assert cell["status"] in ("honoured", "honoured-with-condition", "refused")
@@ -94,7 +104,7 @@ def test_unconditional_honour_wins_and_conditions_are_listed(server) -> None:  #
     assert n["condition"] == "not streaming (sampling); scoring mode (scoring)"
 
 
-@pytest.mark.parametrize("field", ["temperature", "seed", "stop", "encoding_format"])
+@pytest.mark.parametrize("field", ["temperature", "seed", "stop", "top_k", "steering"])
 def test_disabling_a_plugin_turns_its_cells_to_refused(make_server, field: str) -> None:  # type: ignore[no-untyped-def]
     from millm_core.config import load_settings
     from millm_core.server.app import build_host

@@ -9,7 +9,6 @@ import pathlib
 import httpx
 import schemathesis
 from hypothesis import HealthCheck, settings
-
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from millm_core.openapi import installed_document, openapi_document, render
@@ -44,11 +43,35 @@ def test_served_document_and_page(server) -> None:  # type: ignore[no-untyped-de
 
 
 def test_ranges_in_the_schema_are_the_contract() -> None:
-    props = openapi_document()["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    props = installed_document()["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     temperature = props["temperature"]["anyOf"][0]
     assert (temperature["minimum"], temperature["maximum"]) == (0.0, 2.0)
     seed = props["seed"]["anyOf"][0]
     assert (seed["minimum"], seed["maximum"]) == (0, 2**32 - 1)
+    top_k = props["top_k"]["anyOf"][0]  # a plugin's field carries its own range
+    assert (top_k["minimum"], top_k["maximum"]) == (0, 20)
+
+
+def test_steering_is_published_with_its_real_schema() -> None:
+    document = installed_document()
+    schemas = document["components"]["schemas"]
+    steering = schemas["ChatCompletionRequest"]["properties"]["steering"]
+    assert steering["anyOf"][0] == {"$ref": "#/components/schemas/InlineSteering"}
+    inline = schemas["InlineSteering"]
+    assert inline["required"] == ["features"] and set(inline["properties"]) == {"sae_id", "features"}
+    assert schemas["Feature"]["required"] == ["index", "strength"]
+
+
+def test_a_scoring_only_server_publishes_only_what_it_serves() -> None:
+    from millm_core.config import load_settings
+    from millm_core.server.app import assemble, build_host
+
+    host = build_host(load_settings({"plugins": ("scoring",)}, environ={}))
+    assembly = assemble(host)
+    document = openapi_document(assembly.request_types, host.response_schemas(), host.documented_routes(), assembly.embeddings)
+    assert "/v1/embeddings" not in document["paths"] and not any(p.startswith("/api/saes") for p in document["paths"])
+    chat = document["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert {"logprobs", "allowed_token_ids"} <= set(chat) and not {"steering", "top_k", "profile"} & set(chat)
 
 
 schema = schemathesis.openapi.from_dict(installed_document())

@@ -117,7 +117,8 @@ def test_text_completions_take_the_same_rules(steered_server) -> None:  # type: 
     [
         ({"features": [{"index": 1, "strength": 1}, {"index": 1, "strength": 2}]}, {}, 400, "invalid_parameter", "steering.features[1].index"),
         ({"features": [{"index": D_SAE, "strength": 1}]}, {}, 400, "invalid_feature_index", "steering.features[0].index"),
-        ({"features": [{"index": 1, "strength": True}]}, {}, 400, "invalid_parameter", "steering"),
+        # The field is typed (InlineSteering), so a type error names the exact path.
+        ({"features": [{"index": 1, "strength": True}]}, {}, 400, "invalid_parameter", "steering.features[0].strength"),
         ({"sae_id": "beta", "features": [{"index": 1, "strength": 1}]}, {}, 400, "sae_not_attached", "steering.sae_id"),
         ({"sae_id": "alpha", "features": []}, {}, 400, "invalid_parameter", "steering.sae_id"),
         ({"features": [{"index": 1, "strength": 1}]}, {"profile": "p"}, 400, "invalid_parameter", "steering"),

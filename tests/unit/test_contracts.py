@@ -12,9 +12,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from millm_core.codec import convert, decode_json
-from millm_core.contracts.chat import ChatCompletionRequest
+from millm_core.config import load_settings
 from millm_core.contracts.completions import CompletionRequest
 from millm_core.errors import InvalidRequest
+from millm_core.server.app import assemble, build_host
+
+# The chat request type as a server with every installed plugin builds it (top_k is the
+# sampling plugin's field, joined on at start-up).
+ChatCompletionRequest = assemble(build_host(load_settings(environ={}))).request_types["chat.completions"]
 
 BASE: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

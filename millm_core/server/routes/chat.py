@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-from starlette.requests import Request
-from starlette.responses import Response
-
 from ...contracts.chat import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
 )
 from ...contracts.common import Usage
 from ..respond import Shapes
-from .common import serve_completion
 
 
 def _full(rid: str, created: int, model: str, fingerprint: str, texts: list[str], reasons: list[str], usage: Usage) -> ChatCompletionResponse:
@@ -41,6 +36,3 @@ def _chunk(rid: str, created: int, model: str, index: int, text: str | None, rea
 
 SHAPES = Shapes(id_prefix="chatcmpl", full=_full, chunk=_chunk)
 
-
-async def chat_completions(request: Request) -> Response:
-    return await serve_completion(request, "chat.completions", ChatCompletionRequest)

@@ -1,27 +1,28 @@
-"""Decoding shared by the generation endpoints."""
+"""The one request path of every model endpoint (chat, completions, embeddings):
+decode → admit (strict mode, resolve, field policy, validate) → execute (the plugin that
+serves it) → generation or the plugin's computed reply → finalize → encode."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+from collections.abc import Awaitable, Callable
 
-import msgspec
 import structlog
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ...codec import convert, decode_json
 from ...context import Endpoint, RequestContext
-from ...contracts.chat import ChatCompletionRequest
-from ...contracts.completions import CompletionRequest
+from ...contracts.known import KNOWN_FIELDS
 from ...errors import FieldNotHonoured, ModelNotLoaded, PayloadTooLarge
-from ...registry import ServedModel
+from ...fields import known_refusals
+from ...pipeline_types import Compute, Generate
 from ...unknown import unknown_fields
 from ..middleware import mint_request_id
-from ..pipeline import admit, prepare_generation
-from ..respond import Shapes, complete, stream
+from ..pipeline import Admission, admit, prepare_generation, refuse_unused_if_strict
+from ..respond import complete, reply, stream
 from ..state import AppState
-
-T = TypeVar("T", bound=msgspec.Struct)
+from .chat import SHAPES as CHAT_SHAPES
+from .completions import SHAPES as COMPLETION_SHAPES
 
 log = structlog.get_logger("millm.request")
 
@@ -46,11 +47,15 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def decode_request(request: Request, endpoint: Endpoint, type_: type[T]) -> tuple[AppState, RequestContext, T]:
+async def decode_request(request: Request, endpoint: Endpoint) -> Admission:
+    """Decode the body into the endpoint's request type in one typed pass; record the
+    fields it does not declare (reported) and the known output-changing ones that nothing
+    enabled declares (refused in admission)."""
     state = app_state(request)
     if not len(state.models):
         reason = f" ({state.load_error})" if state.load_error else " (still loading)" if state.loading else ""
         raise ModelNotLoaded(f"No model is loaded{reason}; retry when GET /api/health/ready answers 200")
+    type_ = state.request_types[endpoint]
     raw = decode_json(await read_body(request, state.settings.max_body_bytes))
     decoded = convert(raw, type_)
     ctx = RequestContext(
@@ -58,11 +63,12 @@ async def decode_request(request: Request, endpoint: Endpoint, type_: type[T]) -
         endpoint=endpoint,
         settings=state.settings,
         headers={k.lower(): v for k, v in request.headers.items()},
+        app=state.app,
         stream=bool(getattr(decoded, "stream", False)),
-        services=state,
     )
-    ctx.ignored_fields.extend(unknown_fields(raw, type_))
-    return state, ctx, decoded
+    # A known field is either refused (non-neutral) or asks for nothing: never "unused".
+    ctx.ignored_fields.extend(loc for loc in unknown_fields(raw, type_) if loc not in KNOWN_FIELDS)
+    return Admission(state=state, ctx=ctx, request=decoded, refused_known=known_refusals(raw, type_.__struct_fields__))
 
 
 def log_unused(ctx: RequestContext) -> None:
@@ -71,24 +77,48 @@ def log_unused(ctx: RequestContext) -> None:
         log.warning("request_fields_unused", locations=ctx.ignored_fields, endpoint=ctx.endpoint)
 
 
-async def serve_completion(request: Request, endpoint: Endpoint, type_: type[ChatCompletionRequest] | type[CompletionRequest]) -> Response:
-    """The chat and text completion endpoints: decode, admit (every early refusal), then
-    the first plugin that takes the request runs it (``millm_execute``)."""
-    state, ctx, body = await decode_request(request, endpoint, type_)
-    model = admit(state, ctx, body)
-    run = state.host.execute(ctx, body, model, state)
-    if run is None:
-        enabled = ", ".join(n for n in state.host.names() if n != "core") or "none"
-        raise FieldNotHonoured(
-            f"no enabled plugin serves this {endpoint} request (enabled plugins: {enabled}); "
-            "a server without the sampling plugin does not generate",
-            param=None,
-        )
-    log_unused(ctx)
-    return await run
+async def serve(request: Request, endpoint: Endpoint) -> Response:
+    """Every model endpoint: decode, admit (every early refusal), then the first plugin
+    that takes the request serves it (``millm_execute``)."""
+    admission = await decode_request(request, endpoint)
+    state, ctx, body = admission.state, admission.ctx, admission.request
+    model = admit(admission)
+    execution = state.host.execute(ctx, body, model)
+    if isinstance(execution, Generate) and endpoint != "embeddings":
+        prepared = prepare_generation(state, ctx, body, model)
+        refuse_unused_if_strict(ctx)  # after every place that can report a field
+        log_unused(ctx)
+        shapes = CHAT_SHAPES if endpoint == "chat.completions" else COMPLETION_SHAPES
+        return stream(state, prepared, shapes) if ctx.stream else await complete(state, prepared, shapes)
+    if isinstance(execution, Compute):
+        refuse_unused_if_strict(ctx)
+        log_unused(ctx)
+        return reply(state, ctx, body, model, await execution.run())
+    enabled = ", ".join(n for n in state.host.names() if n != "core") or "none"
+    raise FieldNotHonoured(
+        f"no enabled plugin serves this {endpoint} request (enabled plugins: {enabled})"
+        + ("; a server without the sampling plugin does not generate" if endpoint != "embeddings" else ""),
+        param="input" if endpoint == "embeddings" else None,
+    )
 
 
-async def generate(state: AppState, ctx: RequestContext, body: ChatCompletionRequest | CompletionRequest, model: ServedModel, shapes: Shapes) -> Response:
-    """Generation: prompt ids, budget, pre-forward, then a streamed or complete response."""
-    prepared = prepare_generation(state, ctx, body, model)
-    return stream(state, prepared, shapes) if ctx.stream else await complete(state, prepared, shapes)
+async def chat_completions(request: Request) -> Response:
+    """``POST /v1/chat/completions``."""
+    return await serve(request, "chat.completions")
+
+
+async def completions(request: Request) -> Response:
+    """``POST /v1/completions``."""
+    return await serve(request, "completions")
+
+
+def model_endpoint(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
+    """The route handler that serves ``endpoint`` through the one request path; a plugin
+    that serves an endpoint the core does not route itself registers it
+    (``register("/v1/embeddings", model_endpoint("embeddings"), ["POST"])``)."""
+
+    async def endpoint_handler(request: Request) -> Response:
+        return await serve(request, endpoint)
+
+    endpoint_handler.__name__ = endpoint.replace(".", "_")
+    return endpoint_handler

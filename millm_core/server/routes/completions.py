@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-from starlette.requests import Request
-from starlette.responses import Response
-
 from ...contracts.common import Usage
 from ...contracts.completions import (
     CompletionChoice,
     CompletionChunk,
     CompletionChunkChoice,
-    CompletionRequest,
     CompletionResponse,
 )
 from ..respond import Shapes
-from .common import serve_completion
 
 
 def _full(rid: str, created: int, model: str, fingerprint: str, texts: list[str], reasons: list[str], usage: Usage) -> CompletionResponse:
@@ -32,6 +27,3 @@ def _chunk(rid: str, created: int, model: str, index: int, text: str | None, rea
 
 SHAPES = Shapes(id_prefix="cmpl", full=_full, chunk=_chunk)
 
-
-async def completions(request: Request) -> Response:
-    return await serve_completion(request, "completions", CompletionRequest)

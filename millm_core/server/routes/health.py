@@ -7,7 +7,6 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from ...builtin import STRUCTURAL_FIELDS
 from ...codec import encode
-from ...contracts import ENDPOINT_CONTRACTS
 from ...engine import Joinable
 from ...errors import ModelNotLoaded
 from ...fields import policy_table
@@ -30,16 +29,17 @@ async def policy(request: Request) -> Response:
     """The field policy table for the engines installed and the plugins enabled."""
     state = app_state(request)
     engines = [(f.name, f.capabilities) for f in state.host.engines()]
-    cells = policy_table(state.policy, ENDPOINT_CONTRACTS, engines, STRUCTURAL_FIELDS)
+    served = {endpoint: type_ for endpoint, type_ in state.request_types.items() if endpoint != "embeddings" or state.serves_embeddings}
+    cells = policy_table(state.policy, served, engines, STRUCTURAL_FIELDS)
     return Response(encode({"object": "list", "data": cells}), media_type="application/json")
 
 
 async def openapi(request: Request) -> Response:
-    return Response(app_state(request).extra["openapi"], media_type="application/json")
+    return Response(app_state(request).openapi_json, media_type="application/json")
 
 
 async def api_docs(request: Request) -> Response:
-    return HTMLResponse(str(app_state(request).extra["docs_html"]))
+    return HTMLResponse(app_state(request).docs_html)
 
 
 async def inference(request: Request) -> Response:

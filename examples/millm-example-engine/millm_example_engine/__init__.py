@@ -1,0 +1,1 @@
+"""An example third-party millm engine plugin: a byte-level bigram model."""

@@ -1,0 +1,182 @@
+"""millm's public API: everything a plugin (engine, model source or feature) may import
+from the core, and nothing else.
+
+Built-in plugins use this module alone, exactly as a third party's package would; a test
+fails when a module under ``millm_plugins/`` or ``millm_engines/`` imports any other part
+of ``millm_core``. Names not listed in ``__all__`` are private and may change.
+
+The groups, in the order a plugin meets them:
+
+- hooks: ``hookimpl`` (and ``PROJECT``, the entry-point group's name);
+- declarations made at start-up: ``RequestField``, ``FieldRule``, ``PluginSetting``,
+  ``Command``, ``RouteDoc``, ``EngineFactory``, ``ModelSource``, ``ModelLocation``;
+- the contexts hooks receive: ``AppContext``, ``RequestContext``, ``StashKey``;
+- what request hooks exchange: ``Problem``, ``Generate``, ``Compute``, ``Reply``,
+  ``ForwardPlan``, ``RowInfo``, ``TokenProcessor``, ``Outcome``, ``ChoiceResult``,
+  ``Finalization``;
+- the engine contract: ``Engine``, ``Batch``, ``Joinable``, ``Embedder``, ``Scorer``,
+  ``ResidualReader``, ``Capability``, ``Capacity``, ``ModelInfo``, ``RowSpec``,
+  ``SamplingParams``, ``ServedModel``, ``ModelRegistry``;
+- OpenAI's request and response contracts;
+- errors (each carries its HTTP status and code; raise them, never build a response);
+- helpers: JSON codec, route helpers, prompt ids, the counter-based RNG, chat formatting,
+  the steering-set model, SQLite store, logging setup, model loading for commands.
+"""
+
+from __future__ import annotations
+
+from .chatformat import generic_chat_text, render_with_continuation, split_continuation
+from .codec import convert, decode_json, encode
+from .commands import Command
+from .config import PluginSetting, Settings, cache_root, parse_bool
+from .context import AppContext, Endpoint, RequestContext, Stash, StashKey
+from .contracts.chat import ChatCompletionRequest, ChatMessage
+from .contracts.common import Usage
+from .contracts.completions import CompletionRequest
+from .contracts.embeddings import EmbeddingItem, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from .contracts.errors import ErrorResponse
+from .engine import (
+    UNRECORDED,
+    Batch,
+    Capability,
+    Capacity,
+    Embedder,
+    Engine,
+    EngineFactory,
+    Joinable,
+    ModelInfo,
+    ModelLocation,
+    ModelSource,
+    ResidualReader,
+    RowSpec,
+    SamplingParams,
+    Scorer,
+    TokenProcessor,
+)
+from .errors import (
+    CapacityExceeded,
+    ConfigError,
+    ContextLengthExceeded,
+    FieldNotHonoured,
+    InternalError,
+    InvalidRequest,
+    MillmError,
+    ModelNotFound,
+    ModelNotLoaded,
+    NotFound,
+    OutOfMemory,
+    ScoringPrecisionUnavailable,
+    ServiceUnavailable,
+)
+from .fields import ALL_ENDPOINTS, FieldRule
+from .hookspecs import PROJECT, hookimpl
+from .loading import load_served_model, local_revision
+from .logs import configure_logging
+from .openapi import RouteDoc
+from .pipeline_types import (
+    ChoiceResult,
+    Compute,
+    Execution,
+    Finalization,
+    ForwardPlan,
+    Generate,
+    Outcome,
+    Problem,
+    Reply,
+    RowInfo,
+)
+from .prompts import prompt_ids
+from .registry import ModelRegistry, ServedModel
+from .requestfields import RequestField, request_types_with
+from .rng import uniform
+from .server.routes.common import model_endpoint
+from .server.web import app_context, json_response, read_json
+from .steering import AppliedSet
+from .store import Store
+
+__all__ = [
+    "ALL_ENDPOINTS",
+    "PROJECT",
+    "UNRECORDED",
+    "AppContext",
+    "AppliedSet",
+    "Batch",
+    "Capability",
+    "Capacity",
+    "CapacityExceeded",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "ChoiceResult",
+    "Command",
+    "CompletionRequest",
+    "Compute",
+    "ConfigError",
+    "ContextLengthExceeded",
+    "EmbeddingItem",
+    "EmbeddingRequest",
+    "EmbeddingResponse",
+    "EmbeddingUsage",
+    "Embedder",
+    "Endpoint",
+    "Engine",
+    "EngineFactory",
+    "ErrorResponse",
+    "Execution",
+    "FieldNotHonoured",
+    "FieldRule",
+    "Finalization",
+    "ForwardPlan",
+    "Generate",
+    "InternalError",
+    "InvalidRequest",
+    "Joinable",
+    "MillmError",
+    "ModelInfo",
+    "ModelLocation",
+    "ModelNotFound",
+    "ModelNotLoaded",
+    "ModelRegistry",
+    "ModelSource",
+    "NotFound",
+    "Outcome",
+    "OutOfMemory",
+    "PluginSetting",
+    "Problem",
+    "Reply",
+    "RequestContext",
+    "RequestField",
+    "ResidualReader",
+    "RouteDoc",
+    "RowInfo",
+    "RowSpec",
+    "SamplingParams",
+    "Scorer",
+    "ScoringPrecisionUnavailable",
+    "ServedModel",
+    "ServiceUnavailable",
+    "Settings",
+    "Stash",
+    "StashKey",
+    "Store",
+    "TokenProcessor",
+    "Usage",
+    "app_context",
+    "cache_root",
+    "configure_logging",
+    "convert",
+    "decode_json",
+    "encode",
+    "generic_chat_text",
+    "hookimpl",
+    "json_response",
+    "load_served_model",
+    "local_revision",
+    "model_endpoint",
+    "parse_bool",
+    "prompt_ids",
+    "read_json",
+    "render_with_continuation",
+    "request_types_with",
+    "split_continuation",
+    "uniform",
+]

@@ -1,0 +1,290 @@
+"""An engine conformance suite that any engine plugin can run in its own tests.
+
+The rules here are the ones the core relies on when it serves an engine: a row's tokens
+depend on its own request alone (not on its batch, its row position or rows joining and
+leaving), seeded sampling is a pure function of ``(seed, stream, position)``, greedy is the
+argmax, declared capabilities are true, and embeddings do not depend on their batch. Each
+test drives the engine's own batch API (``open_batch``/``step``/``join``/``retain``/``close``)
+directly, the way the core's row driver does, with small token budgets.
+
+Usage, in a plugin's test module::
+
+    import pytest
+    from millm_core.conformance import EngineConformance, registered_factory
+
+    from my_engine import plugin
+
+
+    class TestMyEngine(EngineConformance):
+        @pytest.fixture(scope="module")
+        def conformance_engine(self):
+            return load_my_tiny_model()
+
+        @pytest.fixture
+        def conformance_factory(self):
+            return registered_factory(plugin, "my-engine")
+
+This module imports pytest: import it from tests only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import pytest
+
+from .engine import Capability, Embedder, Engine, EngineFactory, Joinable, ResidualReader, RowSpec, SamplingParams, Scorer
+
+__all__ = ["GREEDY", "PROTOCOLS", "EngineConformance", "drive", "registered_factory"]
+
+GREEDY = SamplingParams(temperature=0.0)
+
+# The optional protocol each capability promises.
+PROTOCOLS: Mapping[Capability, type] = {
+    Capability.EMBEDDINGS: Embedder,
+    Capability.SCORING: Scorer,
+    Capability.STEERING: ResidualReader,
+}
+
+
+def registered_factory(plugin: Any, name: str | None = None) -> EngineFactory:
+    """The :class:`EngineFactory` that ``plugin`` (a plugin module or object) registers
+    through ``millm_register_engines``: the one called ``name`` when it registers several."""
+    found: list[EngineFactory] = []
+    plugin.millm_register_engines(register=found.append)
+    matching = [f for f in found if name is None or f.name == name]
+    if len(matching) != 1:
+        raise LookupError(f"the plugin registers {[f.name for f in found]}; expected exactly one named {name!r}")
+    return matching[0]
+
+
+def drive(
+    engine: Engine,
+    rows: Sequence[RowSpec],
+    budget: int,
+    *,
+    joins: Mapping[int, Sequence[RowSpec]] | None = None,
+    drop: Mapping[int, Sequence[int]] | None = None,
+) -> list[list[int]]:
+    """Step ``rows`` together until each ends (at an EOS token, included, or after
+    ``budget`` tokens) and return each row's tokens, in order: the initial rows, then the
+    joined ones. ``joins[k]``: rows that join (:meth:`Joinable.join`) after ``k`` steps.
+    ``drop[k]``: rows (by that index) freed with :meth:`Engine.retain` after step ``k``
+    (0-based). A finished row is freed with ``retain`` too, as the core does."""
+    pending = dict(joins or {})
+    drop = drop or {}
+    out: list[list[int]] = [[] for _ in rows]
+    live = list(range(len(rows)))
+    batch = engine.open_batch(list(rows))
+    try:
+        step = 0
+        while live or pending:
+            if step in pending or (not live and pending):
+                new = pending.pop(step if step in pending else min(pending))
+                cast(Joinable, engine).join(batch, list(new))
+                live += range(len(out), len(out) + len(new))
+                out += [[] for _ in new]
+            tokens = engine.step(batch, [None] * len(live))
+            assert len(tokens) == len(live), f"step returned {len(tokens)} tokens for {len(live)} live rows"
+            for index, token in zip(live, tokens, strict=True):
+                out[index].append(int(token))
+            dropped = set(drop.get(step, ()))
+            keep = [pos for pos, index in enumerate(live) if index not in dropped and not _done(engine, out[index], budget)]
+            step += 1
+            if len(keep) != len(live):
+                if keep or pending:
+                    engine.retain(batch, keep)
+                live = [live[pos] for pos in keep]
+    finally:
+        engine.close(batch)
+    return out
+
+
+def _done(engine: Engine, tokens: Sequence[int], budget: int) -> bool:
+    return len(tokens) >= budget or (bool(tokens) and tokens[-1] in engine.eos_token_ids)
+
+
+class EngineConformance:
+    """The engine contract as tests: subclass it as ``class TestMyEngine(EngineConformance)``.
+
+    Fixtures the subclass (or its conftest) provides:
+
+    - ``conformance_engine`` (required): a loaded :class:`~millm_core.engine.Engine`,
+      ideally a tiny model; its scope is your choice (module or session scope loads it once).
+      The tests open one batch at a time and close it before they return.
+    - ``conformance_factory`` (optional): the :class:`~millm_core.engine.EngineFactory`
+      your plugin registers (:func:`registered_factory` finds it). Without it the check that
+      the declared capabilities equal the loaded engine's is skipped.
+
+    Class attributes to adjust: ``PROMPTS`` (three texts of different token lengths, each
+    running longer than ``JOIN_AFTER`` tokens before an EOS), ``MAX_NEW_TOKENS`` (the token
+    budget of every row), ``JOIN_AFTER`` (steps before rows join or leave), ``SEED``.
+
+    Optional protocols the engine does not implement (Joinable, Scorer, Embedder) skip
+    their tests. The suite runs in seconds on a tiny model on a CPU.
+    """
+
+    PROMPTS: tuple[str, str, str] = ("The capital of France is", "x", "def main():\n    return 42")
+    MAX_NEW_TOKENS = 10
+    JOIN_AFTER = 3
+    SEED = 1234
+
+    # ------------------------------------------------------------------ helpers
+
+    def _prompts(self, engine: Engine) -> list[tuple[int, ...]]:
+        return [tuple(engine.encode(text, add_special_tokens=True)) for text in self.PROMPTS]
+
+    def _row(self, prompt: tuple[int, ...], sampling: SamplingParams = GREEDY) -> RowSpec:
+        return RowSpec(prompt_ids=prompt, sampling=sampling, max_new_tokens=self.MAX_NEW_TOKENS)
+
+    def _solo(self, engine: Engine, row: RowSpec) -> list[int]:
+        return drive(engine, [row], self.MAX_NEW_TOKENS)[0]
+
+    def _runs_past(self, solo: Sequence[int], steps: int) -> None:
+        assert len(solo) > steps, f"a prompt of PROMPTS ended after {len(solo)} tokens: choose prompts that run longer than {steps}"
+
+    @staticmethod
+    def _factory(request: pytest.FixtureRequest) -> EngineFactory | None:
+        try:
+            factory = request.getfixturevalue("conformance_factory")
+        except pytest.FixtureLookupError:
+            return None
+        return cast(EngineFactory | None, factory)
+
+    # ------------------------------------------------------------------ generation
+
+    def test_batch_equals_solo(self, conformance_engine: Engine) -> None:
+        """Batch invariance: greedy rows of different prompt lengths stepped together get,
+        row by row, exactly the tokens each gets alone."""
+        engine = conformance_engine
+        rows = [self._row(p) for p in self._prompts(engine)]
+        assert len({len(r.prompt_ids) for r in rows}) > 1, "PROMPTS should have different token lengths"
+        assert drive(engine, rows, self.MAX_NEW_TOKENS) == [self._solo(engine, r) for r in rows]
+
+    def test_joined_row_equals_solo(self, conformance_engine: Engine) -> None:
+        """Continuous batching: a row that joins a running batch after ``JOIN_AFTER`` steps
+        gets its solo tokens, and the rows already running keep theirs."""
+        engine = conformance_engine
+        if not isinstance(engine, Joinable):
+            pytest.skip("engine is not Joinable")
+        running, joining = [self._row(p) for p in self._prompts(engine)[:2]], self._row(self._prompts(engine)[2])
+        solo = [self._solo(engine, r) for r in [*running, joining]]
+        for tokens in solo[:2]:
+            self._runs_past(tokens, self.JOIN_AFTER)
+        batch = engine.open_batch(running)
+        try:
+            fits = engine.can_join([joining])
+        finally:
+            engine.close(batch)
+        if not fits:
+            pytest.skip("the engine is Joinable but can_join refuses one row beside two (as loaded)")
+        got = drive(engine, running, self.MAX_NEW_TOKENS, joins={self.JOIN_AFTER: [joining]})
+        assert got[:2] == solo[:2], "the running rows changed when a row joined"
+        assert got[2] == solo[2], "the joined row differs from its solo run"
+
+    def test_retain_frees_rows(self, conformance_engine: Engine) -> None:
+        """``retain(keep=[1])`` after ``JOIN_AFTER`` steps leaves row 1 alone in the batch:
+        each later step returns one token, and row 1's tokens equal its solo tokens."""
+        engine = conformance_engine
+        rows = [self._row(p) for p in self._prompts(engine)]
+        solo = [self._solo(engine, r) for r in rows]
+        for tokens in solo:
+            self._runs_past(tokens, self.JOIN_AFTER + 1)
+        # drive() asserts one token per live row at every step, so after the retain exactly one.
+        got = drive(engine, rows, self.MAX_NEW_TOKENS, drop={self.JOIN_AFTER: [0, 2]})
+        assert got[1] == solo[1]
+        assert [got[0], got[2]] == [solo[0][: self.JOIN_AFTER + 1], solo[2][: self.JOIN_AFTER + 1]]
+
+    def test_logit_bias_is_per_row(self, conformance_engine: Engine) -> None:
+        """``step`` adds ``biases[i]`` to row i's logits only: a large bias forces row 0's
+        token and leaves row 1's untouched."""
+        engine = conformance_engine
+        rows = [self._row(p) for p in self._prompts(engine)[:2]]
+        solo = [self._solo(engine, r)[0] for r in rows]
+        forced = next(
+            t for t in range(engine.info.vocab_size // 2, engine.info.vocab_size) if t not in engine.eos_token_ids and t not in solo
+        )
+        batch = engine.open_batch(rows)
+        try:
+            tokens = engine.step(batch, [{forced: 1e4}, None])
+        finally:
+            engine.close(batch)
+        assert tokens == [forced, solo[1]]
+
+    # ------------------------------------------------------------------ sampling
+
+    def test_seeded_sampling_is_a_function_of_seed_stream_position(self, conformance_engine: Engine) -> None:
+        """A seeded row (temperature 1) gets the same tokens alone, beside other rows and
+        at another row position; another seed, or another stream, changes them (for at
+        least one of a few), so the sampler is neither constant nor ignoring the stream."""
+        engine = conformance_engine
+        prompts = self._prompts(engine)
+
+        def seeded(seed: int = self.SEED, stream: int = 0) -> RowSpec:
+            return self._row(prompts[0], SamplingParams(temperature=1.0, seed=seed, stream=stream))
+
+        alone = self._solo(engine, seeded())
+        neighbours = [self._row(prompts[1]), self._row(prompts[2], SamplingParams(temperature=1.0, seed=self.SEED + 99))]
+        assert drive(engine, [seeded(), *neighbours], self.MAX_NEW_TOKENS)[0] == alone, "first in a batch"
+        assert drive(engine, [*neighbours, seeded()], self.MAX_NEW_TOKENS)[2] == alone, "last in a batch"
+        assert self._solo(engine, seeded()) == alone, "a second run alone"
+        assert any(self._solo(engine, seeded(seed=self.SEED + k)) != alone for k in range(1, 5)), "the seed changes nothing"
+        assert any(self._solo(engine, seeded(stream=k)) != alone for k in range(1, 5)), "the stream changes nothing"
+
+    def test_temperature_zero_is_the_argmax(self, conformance_engine: Engine) -> None:
+        """Greedy (temperature 0) picks the argmax of the engine's own next-token logits."""
+        engine = conformance_engine
+        if not isinstance(engine, Scorer):
+            pytest.skip("engine is not a Scorer: no next-token logits to compare with")
+        prompts = self._prompts(engine)
+        logits = engine.next_token_logits(prompts)
+        for prompt, row_logits in zip(prompts, logits, strict=True):
+            values = [float(v) for v in row_logits]
+            best = max(range(len(values)), key=values.__getitem__)
+            assert drive(engine, [self._row(prompt)], 1)[0] == [best]
+
+    # ------------------------------------------------------------------ declarations
+
+    def test_capabilities_have_their_protocols(self, conformance_engine: Engine, request: pytest.FixtureRequest) -> None:
+        """The engine satisfies :class:`Engine`, and each declared optional capability comes
+        with its protocol (EMBEDDINGS: Embedder, SCORING: Scorer, STEERING: ResidualReader),
+        on the loaded engine and in the factory's declaration."""
+        engine = conformance_engine
+        assert isinstance(engine, Engine)
+        assert isinstance(engine.capabilities, frozenset) and all(isinstance(c, Capability) for c in engine.capabilities)
+        assert all(isinstance(t, int) for t in engine.eos_token_ids)
+        factory = self._factory(request)
+        declared = engine.capabilities | (factory.capabilities if factory is not None else frozenset())
+        missing = [c.value for c, protocol in PROTOCOLS.items() if c in declared and not isinstance(engine, protocol)]
+        assert not missing, f"capabilities declared without their protocol: {missing}"
+
+    def test_factory_declares_what_the_engine_can_do(self, conformance_engine: Engine, request: pytest.FixtureRequest) -> None:
+        """The factory's capabilities (declared before loading, so refusals made from them
+        happen before any model loads) equal the loaded engine's."""
+        factory = self._factory(request)
+        if factory is None:
+            pytest.skip("no conformance_factory fixture")
+        assert isinstance(factory, EngineFactory)
+        assert factory.capabilities == conformance_engine.capabilities
+
+    # ------------------------------------------------------------------ embeddings
+
+    def test_embeddings_do_not_depend_on_the_batch(self, conformance_engine: Engine) -> None:
+        """Mean-pooled embeddings of a batch of inputs equal each input embedded alone (to
+        1e-4), and are finite float vectors of length ``d_model``."""
+        engine = conformance_engine
+        if not isinstance(engine, Embedder):
+            pytest.skip("engine is not an Embedder")
+        if Capability.EMBEDDINGS not in engine.capabilities:
+            pytest.skip("the engine was loaded without EMBEDDINGS")
+        inputs = self._prompts(engine)
+        together = engine.embed(inputs, "mean")
+        assert len(together) == len(inputs)
+        for ids, vector in zip(inputs, together, strict=True):
+            assert len(vector) == engine.info.d_model
+            assert all(isinstance(v, float) and math.isfinite(v) for v in vector)
+            [alone] = engine.embed([ids], "mean")
+            worst = max(abs(a - b) for a, b in zip(vector, alone, strict=True))
+            assert worst <= 1e-4, f"input of {len(ids)} tokens: batched and alone differ by {worst}"

@@ -1,0 +1,67 @@
+"""A request's prompt token ids and its token budget, shared by generation and scoring."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from .context import RequestContext
+from .contracts.chat import ChatCompletionRequest
+from .contracts.completions import CompletionRequest
+from .engine import Capability
+from .errors import ContextLengthExceeded, InvalidRequest
+from .registry import ServedModel
+
+
+def _sent(value: Any) -> bool:
+    return value is not None and value is not msgspec.UNSET
+
+
+def _int(value: Any) -> int:
+    """A sent integer field (callers check ``_sent`` first)."""
+    assert isinstance(value, int)
+    return value
+
+
+def prompt_ids(ctx: RequestContext, request: ChatCompletionRequest | CompletionRequest, model: ServedModel) -> list[list[int]]:
+    """The request's prompt token ids, exactly as generation tokenises them (one BOS rule,
+    the chat template with its ``chat_template_kwargs``, ``add_special_tokens``). Scoring
+    uses the same function, so a scored prompt is the prompt generation would see."""
+    engine = model.engine
+    if isinstance(request, ChatCompletionRequest):
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        kwargs: dict[str, Any] = request.chat_template_kwargs if isinstance(request.chat_template_kwargs, dict) else {}
+        if kwargs and Capability.CHAT_TEMPLATE_KWARGS not in model.capabilities:
+            ctx.ignored_fields.append("chat_template_kwargs")  # accepted, and said to be unused
+            kwargs = {}
+        return [engine.render_chat(messages, **kwargs)]
+    add_special = request.add_special_tokens if _sent(request.add_special_tokens) else True
+    prompts = [engine.encode(text, add_special_tokens=bool(add_special)) for text in request.prompts()]
+    for index, ids in enumerate(prompts):
+        if not ids:
+            param = "prompt" if isinstance(request.prompt, str) else f"prompt[{index}]"
+            raise InvalidRequest("The prompt tokenises to nothing; send at least one token", param=param)
+    return prompts
+
+
+def token_budget(request: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], model: ServedModel, default: int) -> int:
+    limit = model.info.context_length
+    asked = request.max_tokens if _sent(request.max_tokens) else request.max_completion_tokens
+    longest = max(len(p) for p in prompts)
+    if _sent(asked):
+        if longest + _int(asked) > limit:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{longest + _int(asked)} tokens ({longest} in the prompt, {asked} for the completion). "
+                "Shorten the prompt or lower max_tokens.",
+                param="max_tokens" if _sent(request.max_tokens) else "max_completion_tokens",
+            )
+        return _int(asked)
+    if longest >= limit:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {limit} tokens. However, the prompt has "
+            f"{longest} tokens, leaving no room for a completion. Shorten the prompt.",
+            param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+        )
+    return min(default, limit - longest)

@@ -1,0 +1,46 @@
+"""The plugin boundary: built-in plugins and engines use only what a third party's could,
+the public API in :mod:`millm_core.api`."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import millm_core.api as api
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _core_imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, module) of every import of a ``millm_core`` module in ``path``."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "millm_core":
+                found += [(node.lineno, f"millm_core.{alias.name}") for alias in node.names]
+            elif node.module.startswith("millm_core."):
+                found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names if alias.name.startswith("millm_core")]
+    return found
+
+
+def test_plugins_and_engines_import_only_the_public_api() -> None:
+    files = sorted([*ROOT.glob("millm_plugins/**/*.py"), *ROOT.glob("millm_engines/**/*.py"), *ROOT.glob("examples/**/*.py")])
+    assert len(files) > 20
+    offending = [f"{p.relative_to(ROOT)}:{line}: {module}" for p in files for line, module in _core_imports(p) if module != "millm_core.api"]
+    assert offending == []
+
+
+def test_the_check_would_catch_a_private_import(tmp_path: pathlib.Path) -> None:
+    sample = tmp_path / "plugin.py"
+    sample.write_text("from millm_core.server import app\nimport millm_core.fields\nfrom millm_core import codec\nfrom millm_core.api import hookimpl\n")
+    assert [m for _, m in _core_imports(sample)] == ["millm_core.server", "millm_core.fields", "millm_core.codec", "millm_core.api"]
+
+
+def test_public_api_exports_exist_and_are_documented() -> None:
+    assert len(api.__all__) == len(set(api.__all__))
+    for name in api.__all__:
+        obj = getattr(api, name)  # every listed name is importable
+        if isinstance(obj, type) and obj.__module__.startswith("millm_core") and not name.isupper():
+            assert obj.__doc__, f"{name} has no docstring"
