@@ -68,7 +68,7 @@ from .errors import (
     ScoringPrecisionUnavailable,
     ServiceUnavailable,
 )
-from .fields import ALL_ENDPOINTS, FieldRule
+from .fields import GENERATION_ENDPOINTS, FieldRule
 from .hookspecs import PROJECT, hookimpl
 from .loading import load_served_model, local_revision
 from .logs import configure_logging
@@ -95,7 +95,7 @@ from .steering import AppliedSet
 from .store import Store
 
 __all__ = [
-    "ALL_ENDPOINTS",
+    "GENERATION_ENDPOINTS",
     "PROJECT",
     "UNRECORDED",
     "AppContext",

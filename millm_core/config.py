@@ -36,12 +36,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     threads: int | None = None
     cache_dir: str | None = None
     db: str | None = None
-    # Values of the settings plugins declared through ``millm_register_settings``.
+    # Values of the settings plugins declared through ``millm_register_settings``; read
+    # one with its declaration: ``SETTING.get(settings)``.
     plugin_values: dict[str, Any] = msgspec.field(default_factory=dict)
-
-    def plugin(self, name: str) -> Any:
-        """A plugin setting's value (its default when not set)."""
-        return self.plugin_values[name]
 
 
 @dataclass(frozen=True)

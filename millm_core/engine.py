@@ -12,11 +12,14 @@ for every engine.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgspec
+
+if TYPE_CHECKING:
+    from .config import Settings
 
 UNRECORDED = "unrecorded"
 
@@ -130,7 +133,11 @@ class Batch(Protocol):
 @runtime_checkable
 class Engine(Protocol):
     """A loaded model that can step batches. Implementations live in engine plugins;
-    torch and other heavy libraries are imported only there."""
+    torch and other heavy libraries are imported only there.
+
+    Optional attributes the core reads when present: ``capacity`` (a :class:`Capacity`:
+    admission refuses what could never fit) and ``refusals`` (``{Capability: why it is
+    missing}``, quoted in refusals)."""
 
     info: ModelInfo
     capabilities: frozenset[Capability]
@@ -219,12 +226,15 @@ class EngineFactory:
     """How an engine plugin offers itself. ``can_load`` says whether this engine serves
     a resolved model location; ``load`` builds the engine (this is where torch or
     llama_cpp get imported). ``capabilities`` are declared before loading, so a request
-    can be refused before any model loads."""
+    can be refused before any model loads (the conformance suite checks that the loaded
+    engine's capabilities equal them)."""
 
     name: str
     capabilities: frozenset[Capability]
-    can_load: Any  # Callable[[ModelLocation], bool]
-    load: Any  # Callable[[ModelLocation, Settings], Engine]
+    can_load: Callable[[ModelLocation], bool]
+    # Returns the engine: typed ``object`` because engines type their methods with their own
+    # batch class; the core checks the result against :class:`Engine` when it loads.
+    load: Callable[[ModelLocation, Settings], object]
     priority: int = 100
 
 
@@ -245,5 +255,5 @@ class ModelSource:
     a PyPI package). ``materialise`` returns its location, converting once if needed."""
 
     name: str
-    materialise: Any  # Callable[[Settings], ModelLocation]
+    materialise: Callable[[Settings], ModelLocation]
     description: str = ""

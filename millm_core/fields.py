@@ -22,7 +22,7 @@ from .contracts.known import is_neutral as known_neutral
 from .engine import Capability
 from .requestfields import RequestField
 
-ALL_ENDPOINTS: tuple[Endpoint, ...] = ("chat.completions", "completions")  # the generation endpoints
+GENERATION_ENDPOINTS: tuple[Endpoint, ...] = ("chat.completions", "completions")  # the generation endpoints
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,14 @@ class FieldPolicy:
             endpoint in rule.endpoints and (rule.requires is None or rule.requires in capabilities)
             for rule in self._rules.get(name, ())
         )
+
+    def why_refused(self, name: str, endpoint: Endpoint, engine: str) -> str:
+        """Why ``name`` is not honoured on ``endpoint``: the capability the engine lacks,
+        or that no enabled plugin honours (or declares) it."""
+        needed = sorted({r.requires.value for r in self._rules.get(name, ()) if endpoint in r.endpoints and r.requires})
+        if needed:
+            return f"the {engine} engine lacks the capability {' or '.join(needed)}"
+        return "no enabled plugin honours it on this endpoint"
 
     def refusals(
         self,

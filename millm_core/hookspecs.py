@@ -128,7 +128,8 @@ def millm_register_schemas(register: Callable[[str, type], None]) -> None:
 @hookspec
 def millm_register_commands(register: Callable[[Command], None]) -> None:
     """Add ``millm`` subcommands: ``register(Command(name, help, configure, run))``.
-    ``configure(parser)`` adds the command's arguments beside the server's settings flags;
+    ``configure(parser, add_settings)`` adds the command's arguments, and calls
+    ``add_settings(p)`` on each parser that takes the server's settings flags;
     ``run(args, settings)`` returns the exit status. Raise
     :class:`~millm_core.errors.ConfigError` for a usage error (exit status 2).
 

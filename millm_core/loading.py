@@ -81,7 +81,9 @@ def choose_engine(location: ModelLocation, settings: Settings, host: PluginHost)
 def load(location: ModelLocation, settings: Settings, host: PluginHost) -> Engine:
     factory = choose_engine(location, settings, host)
     log.info("model_loading", model=location.served_name, engine=factory.name, path=location.path)
-    engine: Engine = factory.load(location, settings)
+    engine = factory.load(location, settings)
+    if not isinstance(engine, Engine):
+        raise ConfigError(f"the {factory.name} engine plugin's load() returned {type(engine).__name__}, which is not an Engine")
     return engine
 
 

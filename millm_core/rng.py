@@ -35,7 +35,10 @@ def draw_u64(seed: int, stream: int, position: int, purpose: int) -> int:
 
 
 def uniform(seed: int, stream: int, position: int, purpose: int = PURPOSE_SAMPLE) -> float:
-    """A float in [0, 1) determined by the four counters alone."""
+    """A float in [0, 1) determined by the four counters alone. Engines draw a row's
+    token with ``uniform(row.sampling.seed, row.sampling.stream, position)`` where
+    ``position`` is the index of the token being drawn in the row's whole sequence
+    (prompt length + tokens generated so far), so the draw never depends on the batch."""
     return (draw_u64(seed, stream, position, purpose) >> 11) * (1.0 / (1 << 53))
 
 

@@ -1,9 +1,14 @@
-"""Every ``python`` and ``bash`` example in README.md and docs/ runs against a real server.
+"""Every ``python`` and ``bash`` example in README.md, docs/ and CONTRIBUTING.md runs.
 
 Examples address the default deployment (http://127.0.0.1:8000, SmolLM2-135M-Instruct);
 the test points them at a server running the tiny model. The GGUF page's examples address
 ``millm serve --engine gguf`` and run against the tiny model written as GGUF. Blocks fenced as ``console``,
 ``text`` or ``toml`` are illustrations and are not run.
+
+A ``python`` block of CONTRIBUTING.md whose first line is a ``# <path>.py`` comment is a
+file of a plugin author's project (a plugin module, a test module): those files are
+written into an empty directory, and ``pytest`` runs there with the kit's fixtures, as
+in a third party's package.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -21,16 +27,29 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```(?P<lang>[a-z]*)\n(?P<body>.*?)^```", re.M | re.S)
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+CONTRIBUTING = ROOT / "CONTRIBUTING.md"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), CONTRIBUTING]
+PROJECT_FILE = re.compile(r"\A# (?P<path>[\w./-]+\.py)\n")
 
 
 def blocks() -> list[tuple[str, int, str, str]]:
     found = []
     for page in PAGES:
         for index, match in enumerate(FENCE.finditer(page.read_text())):
-            if match["lang"] in ("python", "bash"):
+            if match["lang"] in ("python", "bash") and not PROJECT_FILE.match(match["body"]):
                 found.append((page.name, index, match["lang"], match["body"]))
     return found
+
+
+def project_files() -> dict[str, str]:
+    """CONTRIBUTING.md's project files: path -> content."""
+    files: dict[str, str] = {}
+    for match in FENCE.finditer(CONTRIBUTING.read_text()):
+        marker = PROJECT_FILE.match(match["body"])
+        if match["lang"] == "python" and marker:
+            assert marker["path"] not in files, f"{marker['path']} appears twice"
+            files[marker["path"]] = match["body"]
+    return files
 
 
 def localise(code: str, base_url: str) -> str:
@@ -87,6 +106,23 @@ def run_example(page: str, index: int, lang: str, code: str) -> None:
         assert result.returncode == 0, result.stderr
         body = json.loads(result.stdout)
         assert "error" not in body, body
+
+
+def test_contributing_project_passes_its_tests(tmp_path: pathlib.Path) -> None:
+    """The plugin modules and tests CONTRIBUTING.md shows, run as a plugin author runs them:
+    pytest in their own directory, the millm fixtures coming from its pytest11 entry points."""
+    files = project_files()
+    assert any(path.startswith("tests/") for path in files) and len(files) >= 4
+    for path, code in files.items():
+        target = tmp_path / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(code)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
 
 def test_examples_directory(server) -> None:  # type: ignore[no-untyped-def]

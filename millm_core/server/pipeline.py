@@ -131,15 +131,16 @@ class Admission:
 
 
 def check_field_policy(state: AppState, ctx: RequestContext, request: msgspec.Struct, model: ServedModel, known: list[str]) -> None:
-    """Refuse, naming them, the non-neutral fields nothing honours for this endpoint and
-    engine, and the known output-changing fields nothing enabled declares."""
+    """Refuse, naming them and why, the non-neutral fields nothing honours for this
+    endpoint and engine, and the known output-changing fields nothing enabled declares."""
     refused = state.policy.refusals(request, ctx.endpoint, model.capabilities, STRUCTURAL_FIELDS) + known
-    if refused:
-        raise FieldNotHonoured(
-            f"{', '.join(refused)}: not honoured by this server for {ctx.endpoint} on the "
-            f"{model.info.engine} engine with the enabled plugins; the request was not run",
-            param=refused[0],
-        )
+    if not refused:
+        return
+    reasons = [f"{name} ({state.policy.why_refused(name, ctx.endpoint, model.info.engine)})" for name in refused]
+    raise FieldNotHonoured(
+        f"not honoured by this server for {ctx.endpoint} on the {model.info.engine} engine: {'; '.join(reasons)}; the request was not run",
+        param=refused[0],
+    )
 
 
 def admit(admission: Admission) -> ServedModel:

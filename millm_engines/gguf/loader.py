@@ -19,6 +19,9 @@ DEFAULT_MAX_CELLS = 16384
 
 
 def load_engine(location: ModelLocation, settings: Settings) -> GGUFEngine:
+    if settings.dtype != "auto":
+        # A GGUF file's precision is its quantization; nothing here could honour --dtype.
+        raise ConfigError(f"--dtype {settings.dtype} cannot apply to a GGUF model: its precision is its quantization; leave --dtype auto")
     started = time.perf_counter()
     parallel = PARALLEL.get(settings) or 1
     embeddings = EMBEDDINGS.get(settings)

@@ -10,7 +10,7 @@ import msgspec
 from msgspec import Meta
 
 from millm_core.api import (
-    ALL_ENDPOINTS,
+    GENERATION_ENDPOINTS,
     Capability,
     Execution,
     FieldRule,
@@ -34,7 +34,7 @@ SEED_HEADER = "X-miLLM-Seed"
 
 TopK = Annotated[int, Meta(ge=0, le=20, description="0 caps sampling at 20 candidates")]
 TOP_K: RequestField[int] = RequestField(
-    "top_k", TopK, ALL_ENDPOINTS, owner=NAME, description="keep the k likeliest tokens before sampling (0: the 20-candidate cap)"
+    "top_k", TopK, GENERATION_ENDPOINTS, owner=NAME, description="keep the k likeliest tokens before sampling (0: the 20-candidate cap)"
 )
 
 
@@ -50,11 +50,11 @@ def millm_register_request_fields(register: Callable[[RequestField[Any]], None])
 @hookimpl
 def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
     for name in ("temperature", "top_p", "stop", "frequency_penalty", "presence_penalty"):
-        register(FieldRule(name, ALL_ENDPOINTS, by=NAME))
+        register(FieldRule(name, GENERATION_ENDPOINTS, by=NAME))
     for name in ("stream", "stream_options", "max_tokens", "max_completion_tokens"):
-        register(FieldRule(name, ALL_ENDPOINTS, by=NAME, requires=Capability.GENERATE))
-    register(FieldRule("seed", ALL_ENDPOINTS, by=NAME, requires=Capability.SEED))
-    register(FieldRule("n", ALL_ENDPOINTS, by=NAME, requires=Capability.MULTIPLE_CHOICES, condition="not streaming"))
+        register(FieldRule(name, GENERATION_ENDPOINTS, by=NAME, requires=Capability.GENERATE))
+    register(FieldRule("seed", GENERATION_ENDPOINTS, by=NAME, requires=Capability.SEED))
+    register(FieldRule("n", GENERATION_ENDPOINTS, by=NAME, requires=Capability.MULTIPLE_CHOICES, condition="not streaming"))
 
 
 @hookimpl(trylast=True)

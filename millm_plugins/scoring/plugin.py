@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 
 from millm_core.api import (
-    ALL_ENDPOINTS,
+    GENERATION_ENDPOINTS,
     Capability,
     ChatCompletionRequest,
     ChoiceResult,
@@ -95,7 +95,7 @@ def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
     scoring = "scoring mode"
     # What a scoring request needs even where nothing generates (--plugins scoring).
     for name in ("max_tokens", "max_completion_tokens", "n", "temperature"):
-        register(FieldRule(name, ALL_ENDPOINTS, by=NAME, requires=Capability.SCORING, condition=scoring))
+        register(FieldRule(name, GENERATION_ENDPOINTS, by=NAME, requires=Capability.SCORING, condition=scoring))
 
 
 def _problems_outside_scoring(request: Any) -> Iterable[Problem]:

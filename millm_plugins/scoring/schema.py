@@ -8,13 +8,13 @@ from typing import Any, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from millm_core.api import ALL_ENDPOINTS, Capability, RequestField, Usage
+from millm_core.api import GENERATION_ENDPOINTS, Capability, RequestField, Usage
 
 OWNER = "scoring"
 SCORING_MODE = "scoring mode"
 
 LOGPROBS: RequestField[bool | int] = RequestField(
-    "logprobs", bool | int, ALL_ENDPOINTS, owner=OWNER, neutral=lambda v: v is False, requires=Capability.SCORING,
+    "logprobs", bool | int, GENERATION_ENDPOINTS, owner=OWNER, neutral=lambda v: v is False, requires=Capability.SCORING,
     condition=SCORING_MODE, description="scoring mode: true on chat, the number of alternatives (0-20) on completions",
 )  # fmt: skip
 TOP_LOGPROBS: RequestField[int] = RequestField(
@@ -22,11 +22,11 @@ TOP_LOGPROBS: RequestField[int] = RequestField(
     condition="with logprobs: true", description="alternatives to list (0-20) beside the scored token",
 )  # fmt: skip
 ALLOWED_TOKEN_IDS: RequestField[list[int]] = RequestField(
-    "allowed_token_ids", list[int], ALL_ENDPOINTS, owner=OWNER, requires=Capability.SCORING,
+    "allowed_token_ids", list[int], GENERATION_ENDPOINTS, owner=OWNER, requires=Capability.SCORING,
     condition=SCORING_MODE, description="scoring mode: rank only these token ids",
 )  # fmt: skip
 TOKENS_AS_IDS: RequestField[bool] = RequestField(
-    "return_tokens_as_token_ids", bool, ALL_ENDPOINTS, owner=OWNER, neutral=lambda v: v is False,
+    "return_tokens_as_token_ids", bool, GENERATION_ENDPOINTS, owner=OWNER, neutral=lambda v: v is False,
     requires=Capability.SCORING, condition=SCORING_MODE, description='name tokens as "token_id:<id>"',
 )  # fmt: skip
 Precision = Literal["native", "float32"]

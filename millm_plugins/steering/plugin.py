@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from msgspec import Meta
 
 from millm_core.api import (
-    ALL_ENDPOINTS,
+    GENERATION_ENDPOINTS,
     AppContext,
     Capability,
     Command,
@@ -47,15 +47,15 @@ PLAN = StashKey[Plan]("steering.plan")
 
 ProfileName = Annotated[str, Meta(min_length=1)]
 STEERING: RequestField[InlineSteering] = RequestField(
-    "steering", InlineSteering, ALL_ENDPOINTS, owner=NAME, requires=Capability.STEERING,
+    "steering", InlineSteering, GENERATION_ENDPOINTS, owner=NAME, requires=Capability.STEERING,
     description="this request's own SAE feature set; features: [] runs unsteered",
 )  # fmt: skip
 PROFILE: RequestField[str] = RequestField(
-    "profile", ProfileName, ALL_ENDPOINTS, owner=NAME, requires=Capability.STEERING,
+    "profile", ProfileName, GENERATION_ENDPOINTS, owner=NAME, requires=Capability.STEERING,
     description="a saved profile (or imported cluster) to steer with instead of the live state",
 )  # fmt: skip
 INTENSITY: RequestField[float | str] = RequestField(
-    "steering_intensity", float | str, ALL_ENDPOINTS, owner=NAME, requires=Capability.STEERING,
+    "steering_intensity", float | str, GENERATION_ENDPOINTS, owner=NAME, requires=Capability.STEERING,
     description='the intensity dial λ: a number in [0, 2], or "off", "min", "max"',
 )  # fmt: skip
 

@@ -67,3 +67,16 @@ def test_rows_joining_a_running_batch_get_what_they_get_alone(gguf_model, tiny_e
             assert finished == alone[0]
     engine.close(batch)
     assert got == alone[1:]
+
+
+def test_dtype_other_than_auto_is_refused_not_ignored(gguf_path: str) -> None:
+    """A GGUF file's precision is its quantization: --dtype cannot be honoured, so it is
+    refused at load instead of being silently dropped."""
+    import pytest
+
+    from millm_core.errors import ConfigError
+
+    from .helpers import load_gguf
+
+    with pytest.raises(ConfigError, match="--dtype bfloat16 cannot apply to a GGUF model"):
+        load_gguf(gguf_path, dtype="bfloat16")

@@ -79,6 +79,9 @@ def test_refusals_name_the_field(gguf_server, field: str, value: Any) -> None:  
     error = resp.json()["error"]
     assert error["code"] == "field_not_honoured" and field in error["message"]
     assert error["param"] == ("logprobs" if field == "top_logprobs" else field)  # the first refused field of the request
+    # The message says why: the capability the engine lacks, or that nothing declares the field.
+    why = {"response_format": "no enabled plugin", "tools": "no enabled plugin", "return_sae_activations": "no enabled plugin"}
+    assert why.get(field, "the llama.cpp engine lacks the capability") in error["message"], error["message"]
 
 
 def test_scoring_and_float32_scoring_are_refused(gguf_server) -> None:  # type: ignore[no-untyped-def]
@@ -88,8 +91,13 @@ def test_scoring_and_float32_scoring_are_refused(gguf_server) -> None:  # type: 
 
 
 def test_more_prompts_than_sequences_is_a_clear_error(gguf_server, gguf_model) -> None:  # type: ignore[no-untyped-def]
-    resp = post(gguf_server, "/v1/completions", model="tiny:F32", prompt=["x"] * (gguf_model.engine.parallel + 1), max_tokens=2)
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text
+    too_many = ["x"] * (gguf_model.engine.parallel + 1)
+    for stream in (False, True):
+        # Refused in admission from the engine's declared capacity: a stream gets its 400
+        # before any 200, never an error event after it.
+        resp = post(gguf_server, "/v1/completions", model="tiny:F32", prompt=too_many, max_tokens=2, stream=stream)
+        assert resp.status_code == 400, resp.text
+        assert (resp.json()["error"]["code"], resp.json()["error"]["param"]) == ("capacity_exceeded", "prompt")
     assert chat(gguf_server).status_code == 200  # the scheduler goes on
 
 

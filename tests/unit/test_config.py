@@ -36,10 +36,12 @@ def test_every_setting_has_a_flag_and_an_env_var() -> None:
 
 
 def test_plugin_settings_come_from_environment_and_flags() -> None:
-    declared = [PluginSetting("probe_window", 8, "window size", int), PluginSetting("probe_name", "none")]
+    window, name = PluginSetting("probe_window", 8, "window size", int), PluginSetting("probe_name", "none")
+    declared = [window, name]
     s = load_settings(environ={"MILLM_PROBE_WINDOW": "16"}, plugin_settings=declared)
-    assert (s.plugin("probe_window"), s.plugin("probe_name")) == (16, "none")
-    assert load_settings({"probe_window": 32}, environ={"MILLM_PROBE_WINDOW": "16"}, plugin_settings=declared).plugin("probe_window") == 32
+    assert (window.get(s), name.get(s)) == (16, "none")
+    assert window.get(load_settings({"probe_window": 32}, environ={"MILLM_PROBE_WINDOW": "16"}, plugin_settings=declared)) == 32
+    assert window.get(load_settings(environ={}, plugin_settings=declared)) == 8
     with pytest.raises(ConfigError):
         load_settings(environ={"MILLM_PROBE_WINDOW": "wide"}, plugin_settings=declared)
     with pytest.raises(ConfigError, match="shadows"):

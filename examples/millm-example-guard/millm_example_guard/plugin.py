@@ -19,7 +19,7 @@ from typing import Annotated, Any
 from msgspec import Meta
 
 from millm_core.api import (
-    ALL_ENDPOINTS,
+    GENERATION_ENDPOINTS,
     Finalization,
     ForwardPlan,
     Outcome,
@@ -36,7 +36,7 @@ Word = Annotated[str, Meta(min_length=1, max_length=32)]
 WORDS: RequestField[list[str]] = RequestField(
     "guard_words",
     Annotated[list[Word], Meta(max_length=8)],
-    ALL_ENDPOINTS,
+    GENERATION_ENDPOINTS,
     owner=NAME,
     neutral=lambda value: value == [],
     description="more words (at most 8) to refuse in this request's text",
