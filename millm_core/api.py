@@ -55,8 +55,10 @@ from .engine import (
 )
 from .errors import (
     CapacityExceeded,
+    ChatTemplateRefused,
     ConfigError,
     ContextLengthExceeded,
+    DatabaseBusy,
     FieldNotHonoured,
     InternalError,
     InvalidRequest,
@@ -85,7 +87,7 @@ from .pipeline_types import (
     Reply,
     RowInfo,
 )
-from .prompts import prompt_ids
+from .prompts import prompt_ids, refuse_empty
 from .registry import ModelRegistry, ServedModel
 from .requestfields import RequestField, request_types_with
 from .rng import uniform
@@ -105,6 +107,7 @@ __all__ = [
     "Capacity",
     "CapacityExceeded",
     "ChatCompletionRequest",
+    "ChatTemplateRefused",
     "ChatMessage",
     "ChoiceResult",
     "Command",
@@ -112,6 +115,7 @@ __all__ = [
     "Compute",
     "ConfigError",
     "ContextLengthExceeded",
+    "DatabaseBusy",
     "EmbeddingItem",
     "EmbeddingRequest",
     "EmbeddingResponse",
@@ -175,6 +179,7 @@ __all__ = [
     "parse_bool",
     "prompt_ids",
     "read_json",
+    "refuse_empty",
     "render_with_continuation",
     "request_types_with",
     "split_continuation",

@@ -51,6 +51,18 @@ def millm_validate(ctx: RequestContext, request: Any) -> Iterable[Problem]:
         )
     if ctx.stream and _sent(request.n) and request.n > 1:
         problems.append(Problem("n > 1 is not available with stream: true; send n: 1 or stream: false", param="n"))
+    n = request.n if _sent(request.n) else 1
+    prompts = len(request.prompts()) if ctx.endpoint == "completions" else 1
+    limit = ctx.settings.max_rows_per_request
+    if prompts * n > limit:
+        problems.append(
+            Problem(
+                f"this request asks for {prompts * n} rows ({prompts} prompt(s) × n={n}); this server runs at most {limit} "
+                "per request (--max-rows-per-request)",
+                param="n" if n > 1 else "prompt",
+                code="too_many_rows",
+            )
+        )
     return problems
 
 

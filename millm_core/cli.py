@@ -34,6 +34,10 @@ _HELP = {
     "max_queue": "requests allowed to wait; more are refused with 503 queue_full (default 64)",
     "max_body_bytes": "largest request body accepted; larger is 413 (default 4 MiB)",
     "default_max_tokens": "completion budget when a request sends no max_tokens (default 1024)",
+    "max_rows_per_request": "rows (prompts × n) one request may run at once; more is 400 (default 64)",
+    "api_key": "comma-separated bearer keys required on every route but /api/health and /api/health/ready (prefer the env var)",
+    "allowed_hosts": "comma-separated Host header values accepted (default: any)",
+    "read_timeout": "seconds a client may take to send its request (default 30)",
     "threads": "CPU threads model code uses (default: the engine library's own choice)",
     "cache_dir": "where converted models are cached (default ~/.cache/millm)",
     "db": "the SQLite database for what persists (default ~/.local/share/millm/millm.db)",
@@ -93,8 +97,9 @@ async def _serve(settings: Settings) -> None:
     app = create_app(settings, host=host, loader=loader)
     config = Config()
     config.bind = [f"{settings.host}:{settings.port}"]
-    config.accesslog = None
+    config.accesslog = None  # millm logs one access line per request itself
     config.errorlog = "-"
+    config.read_timeout = settings.read_timeout
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

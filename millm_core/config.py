@@ -33,6 +33,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     max_queue: int = 64
     max_body_bytes: int = 4 * 1024 * 1024
     default_max_tokens: int = 1024
+    # Rows (prompts × n) one request may generate or score at once.
+    max_rows_per_request: int = 64
+    # Bearer keys required on every route but health and readiness (none: no auth).
+    api_key: tuple[str, ...] = ()
+    # Host header values accepted (none: any), against DNS rebinding.
+    allowed_hosts: tuple[str, ...] = ()
+    # Seconds a client may take to send its request (slow-body clients are dropped).
+    read_timeout: int = 30
     threads: int | None = None
     cache_dir: str | None = None
     db: str | None = None
@@ -92,6 +100,10 @@ PARSERS: Mapping[str, object] = {
     "max_queue": int,
     "max_body_bytes": int,
     "default_max_tokens": int,
+    "max_rows_per_request": int,
+    "api_key": _csv,
+    "allowed_hosts": _csv,
+    "read_timeout": int,
     "threads": _opt_int,
     "cache_dir": str,
     "db": str,
@@ -151,6 +163,10 @@ def load_settings(
         raise ConfigError("--max-model-len must be at least 1")
     if settings.max_queue < 1:
         raise ConfigError("--max-queue must be at least 1")
+    if settings.max_rows_per_request < 1:
+        raise ConfigError("--max-rows-per-request must be at least 1")
+    if settings.read_timeout < 1:
+        raise ConfigError("--read-timeout must be at least 1 second")
     return settings
 
 

@@ -105,6 +105,8 @@ class RequestContext:
     response_headers: dict[str, str] = field(default_factory=dict)
     ignored_fields: list[str] = field(default_factory=list)
     stash: Stash = field(default_factory=Stash)
+    # The prompt token ids, once the core rendered them (chat and text completions).
+    prompts: list[list[int]] | None = None
 
     def set_header(self, name: str, value: str) -> None:
         self.response_headers[name] = value

@@ -150,7 +150,7 @@ class Engine(Protocol):
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens skipped."""
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], /, **template_kwargs: Any) -> list[int]:
         """Token ids of a chat ready for the assistant's turn. A render that already
         begins with the BOS token gets no second one; otherwise the tokenizer's own rule
         applies. A model without a chat template uses a documented generic format.
@@ -169,6 +169,13 @@ class Engine(Protocol):
 
     def close(self, batch: Batch) -> None:
         """Free everything the batch holds."""
+
+
+def backend_of(engine: object) -> str:
+    """``batched`` when concurrent requests share this engine's decode steps, else
+    ``serial``. A :class:`Joinable` engine may say it does not join as loaded with a
+    ``batches_requests`` attribute (False)."""
+    return "batched" if isinstance(engine, Joinable) and getattr(engine, "batches_requests", True) else "serial"
 
 
 @runtime_checkable

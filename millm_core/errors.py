@@ -49,6 +49,13 @@ class FieldNotHonoured(InvalidRequest):
     code = "field_not_honoured"
 
 
+class ChatTemplateRefused(InvalidRequest):
+    """400: the model's chat template raised for these messages (its ``raise_exception``,
+    e.g. "System role not supported") or cannot render them."""
+
+    code = "chat_template_refused"
+
+
 class ContextLengthExceeded(InvalidRequest):
     """400: prompt plus requested completion exceed the model's context window."""
 
@@ -113,6 +120,13 @@ class CapacityExceeded(InvalidRequest):
     refused before anything runs. Engines raise it naming the request field to change."""
 
     code = "capacity_exceeded"
+
+
+class DatabaseBusy(ServiceUnavailable):
+    """503: the database is locked by another connection (for example a second server on
+    the same ``--db`` file) for longer than the store waits; retrying later may succeed."""
+
+    code = "database_busy"
 
 
 class OutOfMemory(ServiceUnavailable):

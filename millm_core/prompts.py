@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import Executor
 from typing import Any
 
 import msgspec
@@ -27,7 +29,10 @@ def _int(value: Any) -> int:
 def prompt_ids(ctx: RequestContext, request: ChatCompletionRequest | CompletionRequest, model: ServedModel) -> list[list[int]]:
     """The request's prompt token ids, exactly as generation tokenises them (one BOS rule,
     the chat template with its ``chat_template_kwargs``, ``add_special_tokens``). Scoring
-    uses the same function, so a scored prompt is the prompt generation would see."""
+    uses the same function, so a scored prompt is the prompt generation would see. The
+    core renders them once per request, off the event loop; later calls return those."""
+    if ctx.prompts is not None:
+        return ctx.prompts
     engine = model.engine
     if isinstance(request, ChatCompletionRequest):
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
@@ -37,12 +42,33 @@ def prompt_ids(ctx: RequestContext, request: ChatCompletionRequest | CompletionR
             kwargs = {}
         return [engine.render_chat(messages, **kwargs)]
     add_special = request.add_special_tokens if _sent(request.add_special_tokens) else True
-    prompts = [engine.encode(text, add_special_tokens=bool(add_special)) for text in request.prompts()]
+    # An empty prompt is returned as is: each path refuses it with its own error.
+    return [engine.encode(text, add_special_tokens=bool(add_special)) for text in request.prompts()]
+
+
+def refuse_empty(request: CompletionRequest, prompts: list[list[int]], code: str = "invalid_parameter") -> None:
+    """Refuse a prompt that tokenises to nothing, naming it."""
     for index, ids in enumerate(prompts):
         if not ids:
             param = "prompt" if isinstance(request.prompt, str) else f"prompt[{index}]"
-            raise InvalidRequest("The prompt tokenises to nothing; send at least one token", param=param)
-    return prompts
+            raise InvalidRequest("The prompt tokenises to nothing; send at least one token", code=code, param=param)
+
+
+async def render_prompts(
+    ctx: RequestContext, request: ChatCompletionRequest | CompletionRequest, model: ServedModel, pool: Executor, timeout_s: float
+) -> list[list[int]]:
+    """Render and tokenise the request's prompts on ``pool`` (never on the event loop),
+    refusing a render that takes longer than ``timeout_s``; the ids are kept on ``ctx``."""
+    loop = asyncio.get_running_loop()
+    try:
+        ctx.prompts = await asyncio.wait_for(loop.run_in_executor(pool, prompt_ids, ctx, request, model), timeout_s)
+    except TimeoutError as exc:
+        raise InvalidRequest(
+            f"rendering and tokenising the prompt took longer than {timeout_s:g} s; send a shorter prompt",
+            code="prompt_render_timeout",
+            param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+        ) from exc
+    return ctx.prompts
 
 
 def token_budget(request: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], model: ServedModel, default: int) -> int:

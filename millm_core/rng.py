@@ -11,7 +11,7 @@ the counters; its output is turned into a float in [0, 1) from the top 53 bits.
 
 from __future__ import annotations
 
-import hashlib
+import secrets
 
 _MASK = (1 << 64) - 1
 
@@ -42,8 +42,8 @@ def uniform(seed: int, stream: int, position: int, purpose: int = PURPOSE_SAMPLE
     return (draw_u64(seed, stream, position, purpose) >> 11) * (1.0 / (1 << 53))
 
 
-def fresh_seed(request_id: str) -> int:
-    """A seed for a request that sent none: derived from its unique id, so two requests
-    never share one, and it is never reported as the client's seed."""
-    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
+def fresh_seed() -> int:
+    """A seed for a request that sent none: 64 bits from the operating system's CSPRNG.
+    Never derived from anything the client sends (an ``X-Request-Id`` replayed twice must
+    not replay the sample), and never reported as the client's seed."""
+    return secrets.randbits(64)

@@ -14,14 +14,15 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Seed = Annotated[int, Meta(ge=0, le=2**32 - 1)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 ChoiceCount = Annotated[int, Meta(ge=1, le=64)]
-StopString = Annotated[str, Meta(min_length=1)]
+StopString = Annotated[str, Meta(min_length=1, max_length=1024)]
 StopList = Annotated[list[StopString], Meta(max_length=4)]
 
 FinishReason = Literal["stop", "length"]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
-    """OpenAI ``stream_options``. millm always sends usage on the final chunk."""
+    """OpenAI ``stream_options``. Usage comes on the final chunk unless
+    ``include_usage`` is ``false``."""
 
     include_usage: bool | None | UnsetType = UNSET
 

@@ -39,6 +39,9 @@ KNOWN_FIELDS: Mapping[str, Callable[[Any], bool]] = {
     "echo": lambda v: v is False,
     "suffix": _never,
     "best_of": lambda v: v == 1,
+    # OpenAI's generation fields, where an endpoint does not declare them (embeddings)
+    "seed": _never,
+    "n": lambda v: v == 1,
     # the API contract's extensions, and vLLM's that clients commonly send
     "top_k": _never,
     "min_p": lambda v: v == 0,

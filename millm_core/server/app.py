@@ -30,6 +30,7 @@ from ..requestfields import build_request_types
 from ..scheduler import Scheduler
 from ..store import Store, default_db_path
 from .errors import handle_http_exception, handle_millm_error, handle_unexpected
+from .guard import GuardMiddleware
 from .middleware import RequestIdMiddleware
 from .routes.common import chat_completions, completions
 from .routes.health import api_docs, health, inference, openapi, ready
@@ -131,6 +132,7 @@ def create_app(
             log.error("plugin_startup_failed", error=app.state.startup_error)
             host.shutdown(context)
             scheduler.shutdown()
+            state.render_pool.shutdown(wait=False, cancel_futures=True)
             store.close()
             raise
         for model in registry:
@@ -160,6 +162,7 @@ def create_app(
                 task.cancel()
             host.shutdown(context)
             scheduler.shutdown()
+            state.render_pool.shutdown(wait=False, cancel_futures=True)
             store.close()
 
     routes = [
@@ -180,5 +183,7 @@ def create_app(
         lifespan=lifespan,
         exception_handlers={MillmError: handle_millm_error, HTTPException: handle_http_exception, Exception: handle_unexpected},
     )
+    # Added last = outermost: every refusal the guard makes carries its X-Request-Id.
+    app.add_middleware(GuardMiddleware, api_keys=settings.api_key, allowed_hosts=settings.allowed_hosts)
     app.add_middleware(RequestIdMiddleware)
     return app

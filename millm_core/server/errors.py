@@ -28,9 +28,19 @@ def internal_error() -> MillmError:
     return MillmError("The server failed to process the request; see its log for the request id.")
 
 
+def retry_after(request: Request) -> str:
+    """Seconds a refused client should wait, estimated by the scheduler from recent
+    service times and the queue (1 when nothing is known)."""
+    state = getattr(request.app.state, "millm", None)
+    estimate = getattr(getattr(state, "scheduler", None), "retry_after_s", None)
+    return str(max(1, int(estimate()))) if callable(estimate) else "1"
+
+
 async def handle_millm_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, MillmError)
     log.info("request_refused", status=exc.status, code=exc.code, param=exc.param)
+    if exc.status == 503 and not any(k.lower() == "retry-after" for k in exc.headers):
+        exc.headers["Retry-After"] = retry_after(request)
     return error_response(exc)
 
 
@@ -45,5 +55,11 @@ async def handle_http_exception(request: Request, exc: Exception) -> Response:
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled_error", exc_type=type(exc).__name__)
-    return error_response(internal_error())
+    # This handler runs outside the request-id middleware (Starlette's outermost error
+    # layer), so the id is read from the scope and set here, in the log and the header.
+    request_id = str(request.scope.get("state", {}).get("request_id", ""))
+    log.exception("unhandled_error", exc_type=type(exc).__name__, request_id=request_id)
+    err = internal_error()
+    if request_id:
+        err.headers["X-Request-Id"] = request_id
+    return error_response(err)

@@ -31,7 +31,7 @@ from ..pipeline_types import (
     Problem,
     RowInfo,
 )
-from ..prompts import prompt_ids, token_budget
+from ..prompts import prompt_ids, refuse_empty, token_budget
 from ..registry import ServedModel
 from ..rng import fresh_seed
 from ..rows import RowDriver
@@ -185,8 +185,10 @@ def check_capacity(model: ServedModel, prompts: list[list[int]], n: int, max_new
 def prepare_generation(state: AppState, ctx: RequestContext, request: ChatCompletionRequest | CompletionRequest, model: ServedModel) -> Prepared:
     """Prompt ids, token budget and the plugins' plan for an admitted request."""
     prompts = prompt_ids(ctx, request, model)
+    if isinstance(request, CompletionRequest):
+        refuse_empty(request, prompts)
     max_new = token_budget(request, prompts, model, state.settings.default_max_tokens)
-    plan = ForwardPlan(sampling=SamplingParams(seed=fresh_seed(ctx.request_id)), max_new_tokens=max_new)
+    plan = ForwardPlan(sampling=SamplingParams(seed=fresh_seed()), max_new_tokens=max_new)
     n = _int(request.n) if _sent(request.n) else 1
     budget_param = next((name for name in ("max_tokens", "max_completion_tokens") if _sent(getattr(request, name))), "max_tokens")
     check_capacity(model, prompts, n, max_new, budget_param)

@@ -19,7 +19,8 @@ from starlette.responses import Response, StreamingResponse
 
 from ..codec import SSE_DONE, encode, sse_frame
 from ..context import RequestContext
-from ..contracts.common import Usage
+from ..contracts.common import StreamOptions, Usage
+from ..engine import backend_of
 from ..errors import MillmError
 from ..pipeline_types import Finalization, Reply
 from ..registry import ServedModel
@@ -53,8 +54,13 @@ def response_headers(ctx: RequestContext, served_name: str) -> dict[str, str]:
     return headers
 
 
+BACKEND_HEADER = "X-miLLM-Backend"
+
+
 def _headers(state: AppState, prepared: Prepared) -> dict[str, str]:
-    return response_headers(prepared.ctx, prepared.model.info.served_name)
+    """A generation's headers; ``X-miLLM-Backend`` says whether its rows could share
+    decode steps with other requests (``batched``) or ran alone (``serial``)."""
+    return {**response_headers(prepared.ctx, prepared.model.info.served_name), BACKEND_HEADER: backend_of(prepared.model.engine)}
 
 
 def _body_with_extensions(obj: msgspec.Struct, extensions: dict[str, Any]) -> bytes:
@@ -100,6 +106,8 @@ def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
     response_id = f"{shapes.id_prefix}-{uuid.uuid4().hex}"
     info = prepared.model.info
     created = prepared.ctx.created
+    options = getattr(prepared.request, "stream_options", None)
+    include_usage = not (isinstance(options, StreamOptions) and options.include_usage is False)
 
     async def body() -> AsyncIterator[bytes]:
         counts = [0] * handle.rows
@@ -117,7 +125,7 @@ def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
                         reasons[ev.row] = ev.finish_reason
                         open_rows -= 1
                         usage = None
-                        if open_rows == 0:
+                        if open_rows == 0 and include_usage:
                             prompt = prepared.prompt_tokens
                             usage = Usage(prompt_tokens=prompt, completion_tokens=sum(counts), total_tokens=prompt + sum(counts))
                         yield sse_frame(shapes.chunk(response_id, created, info.served_name, ev.row, ev.text, ev.finish_reason, False, usage))

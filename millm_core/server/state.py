@@ -5,7 +5,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -27,6 +28,9 @@ class AppState:
     scheduler: Scheduler
     # Each endpoint's request type: the core's contract joined with the plugins' fields.
     request_types: dict[Endpoint, type[msgspec.Struct]]
+    # One thread renders chat templates and tokenises prompts, off the event loop (one:
+    # a tokenizer is not safe to drive from several threads at once).
+    render_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="millm-render"))
     serves_embeddings: bool = False
     openapi_json: bytes = b""
     docs_html: str = ""

@@ -20,6 +20,7 @@ from millm_core.api import (
     Capability,
     Capacity,
     CapacityExceeded,
+    ChatTemplateRefused,
     InvalidRequest,
     ModelInfo,
     RowSpec,
@@ -83,23 +84,27 @@ class GGUFEngine:
     def _render(self, messages: Sequence[Mapping[str, Any]]) -> str:
         if not self._template:
             return generic_chat_text(messages)
+        from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
         def raise_exception(message: str) -> None:
-            raise InvalidRequest(f"the model's chat template refused the messages: {message}", param="messages")
+            raise ChatTemplateRefused(f"the model's chat template refused the messages: {message}", param="messages")
 
         env.globals["raise_exception"] = raise_exception
         eos = self.llm.special("eos")
-        return env.from_string(self._template).render(
-            messages=[dict(m) for m in messages],
-            add_generation_prompt=True,
-            bos_token=self._bos_text,
-            eos_token=self.token_text(eos) if eos is not None else "",
-        )
+        try:
+            return env.from_string(self._template).render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=True,
+                bos_token=self._bos_text,
+                eos_token=self.token_text(eos) if eos is not None else "",
+            )
+        except TemplateError as exc:  # a template that cannot render these messages
+            raise ChatTemplateRefused(f"the model's chat template refused the messages: {exc}", param="messages") from exc
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], **_: Any) -> list[int]:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], /, **_: Any) -> list[int]:
         """The BOS rule: a render that begins with the BOS text gets no second BOS;
         otherwise the model's own add-BOS rule applies."""
         text = self.chat_text(messages)

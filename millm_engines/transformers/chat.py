@@ -13,19 +13,46 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from millm_core.api import generic_chat_text, render_with_continuation
+from millm_core.api import ChatTemplateRefused, InvalidRequest, generic_chat_text, render_with_continuation
+
+# apply_chat_template's own parameters, and the variables the template gets from the
+# request itself: a client may set template variables, never these (a client-sent
+# ``chat_template`` would replace the model's template; ``tokenize`` breaks rendering).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+        "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token",
+    }
+)  # fmt: skip
+
+
+def check_template_kwargs(template_kwargs: Mapping[str, Any]) -> None:
+    """Refuse, by name, the keys that are not template variables."""
+    reserved = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise InvalidRequest(
+            f"chat_template_kwargs may set template variables only; {', '.join(reserved)} cannot be set by a request",
+            param=f"chat_template_kwargs.{reserved[0]}",
+        )
 
 
 def render_chat_text(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any]) -> str:
     """The chat as text ready for the assistant's turn; a trailing assistant message is
     continued (see :mod:`millm_core.chatformat`)."""
 
+    check_template_kwargs(template_kwargs)
+
     def render(head: Sequence[Mapping[str, Any]]) -> str:
         if getattr(tokenizer, "chat_template", None):
             conversation: Any = [dict(m) for m in head]  # the tokenizer's stubs want dict[str, str]; content may be richer
-            return str(tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **dict(template_kwargs)))
+            try:
+                return str(tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **dict(template_kwargs)))
+            except TemplateError as exc:  # raise_exception(...) in the template, or a template error for these messages
+                raise ChatTemplateRefused(f"the model's chat template refused the messages: {exc}", param="messages") from exc
         return generic_chat_text(head)
 
     return render_with_continuation(render, messages)

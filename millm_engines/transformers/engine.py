@@ -99,7 +99,7 @@ class TransformersEngine:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], /, **template_kwargs: Any) -> list[int]:
         return render_chat_ids(self.tokenizer, messages, template_kwargs)
 
     # ------------------------------------------------------------------ batches
@@ -161,6 +161,11 @@ class TransformersEngine:
         return tokens
 
     # ------------------------------------------------------------------ joining
+
+    @property
+    def batches_requests(self) -> bool:
+        """Whether concurrent requests share decode steps: only on the lean decode step."""
+        return self.fast is not None
 
     def can_join(self, rows: Sequence[RowSpec]) -> bool:
         """Only on the lean decode step, whose KV cache can be merged, and up to

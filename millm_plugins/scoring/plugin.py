@@ -15,6 +15,7 @@ from millm_core.api import (
     ChatCompletionRequest,
     ChoiceResult,
     Compute,
+    ContextLengthExceeded,
     Execution,
     FieldRule,
     InvalidRequest,
@@ -29,6 +30,7 @@ from millm_core.api import (
     Usage,
     hookimpl,
     prompt_ids,
+    refuse_empty,
 )
 
 from .logprobs import score_row
@@ -175,13 +177,22 @@ def _prompts(ctx: RequestContext, request: Any, model: ServedModel, engine: Scor
                 param="messages",
             )
         return prompt_ids(ctx, request, model), [""]
-    add_special = request.add_special_tokens if _sent(request.add_special_tokens) else True
-    texts = request.prompts()
-    prompts = [model.engine.encode(text, add_special_tokens=bool(add_special)) for text in texts]
+    prompts = prompt_ids(ctx, request, model)
+    refuse_empty(request, prompts, code="invalid_scoring_request")
+    return prompts, request.prompts()
+
+
+def _check_context(prompts: list[list[int]], model: ServedModel, chat: bool) -> None:
+    """A scored prompt must fit the context window like any other."""
+    limit = model.info.context_length
     for index, ids in enumerate(prompts):
-        if not ids:
-            raise InvalidRequest("the prompt tokenises to nothing", code="invalid_scoring_request", param="prompt" if len(prompts) == 1 else f"prompt[{index}]")
-    return prompts, texts
+        if len(ids) > limit:
+            where = "messages" if chat else ("prompt" if len(prompts) == 1 else f"prompt[{index}]")
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, the prompt to score has {len(ids)} tokens. "
+                "Shorten the prompt.",
+                param=where,
+            )
 
 
 async def _score(ctx: RequestContext, request: Any, model: ServedModel, prompts: list[list[int]], texts: list[str]) -> Reply:
@@ -255,4 +266,5 @@ def millm_execute(ctx: RequestContext, request: Any, model: ServedModel) -> Exec
         return None
     # Tokenised now, before the run: what rendering reports is seen by strict mode.
     prompts, texts = _prompts(ctx, request, model, engine)
+    _check_context(prompts, model, isinstance(request, ChatCompletionRequest))
     return Compute(lambda: _score(ctx, request, model, prompts, texts))

@@ -184,7 +184,7 @@ class BigramEngine:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(t for t in ids if 0 <= t < EOS).decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], /, **template_kwargs: Any) -> list[int]:
         """The generic chat format (this model has no template); a trailing assistant
         message is continued."""
         return self.encode(render_with_continuation(generic_chat_text, messages), add_special_tokens=True)

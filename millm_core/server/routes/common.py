@@ -4,7 +4,10 @@ serves it) → generation or the plugin's computed reply → finalize → encode
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 import structlog
 from starlette.requests import Request
@@ -16,6 +19,7 @@ from ...contracts.known import KNOWN_FIELDS
 from ...errors import FieldNotHonoured, ModelNotLoaded, PayloadTooLarge
 from ...fields import known_refusals
 from ...pipeline_types import Compute, Generate
+from ...prompts import render_prompts
 from ...unknown import unknown_fields
 from ..middleware import mint_request_id
 from ..pipeline import Admission, admit, prepare_generation, refuse_unused_if_strict
@@ -25,6 +29,11 @@ from .chat import SHAPES as CHAT_SHAPES
 from .completions import SHAPES as COMPLETION_SHAPES
 
 log = structlog.get_logger("millm.request")
+
+# A chat template rendering longer than this is refused (it runs on the render pool, so
+# the event loop answers meanwhile).
+RENDER_TIMEOUT_S = 10.0
+CLIENT_CLOSED = 499
 
 
 def app_state(request: Request) -> AppState:
@@ -83,23 +92,58 @@ async def serve(request: Request, endpoint: Endpoint) -> Response:
     admission = await decode_request(request, endpoint)
     state, ctx, body = admission.state, admission.ctx, admission.request
     model = admit(admission)
+    if endpoint != "embeddings":
+        await render_prompts(ctx, body, model, state.render_pool, RENDER_TIMEOUT_S)
     execution = state.host.execute(ctx, body, model)
     if isinstance(execution, Generate) and endpoint != "embeddings":
         prepared = prepare_generation(state, ctx, body, model)
         refuse_unused_if_strict(ctx)  # after every place that can report a field
         log_unused(ctx)
         shapes = CHAT_SHAPES if endpoint == "chat.completions" else COMPLETION_SHAPES
-        return stream(state, prepared, shapes) if ctx.stream else await complete(state, prepared, shapes)
+        if ctx.stream:
+            return stream(state, prepared, shapes)  # a stream notices a disconnect itself
+        return await until_disconnect(request, complete(state, prepared, shapes))
     if isinstance(execution, Compute):
         refuse_unused_if_strict(ctx)
         log_unused(ctx)
-        return reply(state, ctx, body, model, await execution.run())
+        run = execution.run
+
+        async def computed() -> Response:
+            return reply(state, ctx, body, model, await run())
+
+        return await until_disconnect(request, computed())
     enabled = ", ".join(n for n in state.host.names() if n != "core") or "none"
     raise FieldNotHonoured(
         f"no enabled plugin serves this {endpoint} request (enabled plugins: {enabled})"
         + ("; a server without the sampling plugin does not generate" if endpoint != "embeddings" else ""),
         param="input" if endpoint == "embeddings" else None,
     )
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes its connection (the body was already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """Await ``work``, cancelling it as soon as the client disconnects: a non-streamed
+    request's rows are freed at the next step, and queued work never runs."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        log.info("client_disconnected", endpoint=str(request.url.path))
+        return Response(status_code=CLIENT_CLOSED)  # nobody reads it; nginx's code for the access log
+    return task.result()
 
 
 async def chat_completions(request: Request) -> Response:

@@ -1,0 +1,72 @@
+"""ASGI middleware that guards every route before it runs: the optional API keys
+(``--api-key``), the optional Host allow-list (``--allowed-hosts``) and a JSON content
+type on writes to ``/api`` (so no cross-site "simple request" from a web page can change
+the server's state). Refusals take the OpenAI error shape.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..codec import encode
+from ..contracts.errors import ErrorBody, ErrorResponse
+
+# Liveness and readiness stay open: orchestrators probe them without credentials.
+OPEN_PATHS = frozenset({"/api/health", "/api/health/ready"})
+WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def _refusal(status: int, code: str, message: str, extra: list[tuple[bytes, bytes]] | None = None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    body = encode(ErrorResponse(error=ErrorBody(message=message, type="invalid_request_error", param=None, code=code)))
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(extra or [])]
+    return status, headers, body
+
+
+class GuardMiddleware:
+    """Refuses, before any route runs: a missing or wrong bearer key (401
+    ``invalid_api_key``), a Host outside the allow-list (400 ``host_not_allowed``), and a
+    write to ``/api`` without ``Content-Type: application/json`` (415
+    ``unsupported_media_type``). Keys are compared in constant time and never logged."""
+
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], allowed_hosts: tuple[str, ...]) -> None:
+        self.app = app
+        self._keys = [key.encode() for key in api_keys]
+        self._hosts = frozenset(h.lower() for h in allowed_hosts)
+
+    def _check(self, scope: Scope) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        headers = {k.lower(): v for k, v in scope.get("headers") or []}
+        path: str = scope.get("path", "")
+        if self._hosts:
+            host = headers.get(b"host", b"").decode("latin-1").lower()
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if name not in self._hosts and host not in self._hosts:
+                return _refusal(400, "host_not_allowed", "The Host header names a host this server does not answer for (--allowed-hosts)")
+        if self._keys and path not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            # Compare against every key (no early exit) so timing says nothing about which.
+            matched = False
+            for key in self._keys:
+                matched |= hmac.compare_digest(token.strip(), key)
+            if scheme.lower() != b"bearer" or not matched:
+                message = "Missing API key: send Authorization: Bearer <key>" if not given else "Invalid API key"
+                return _refusal(401, "invalid_api_key", message, [(b"www-authenticate", b'Bearer realm="millm"')])
+        if path.startswith("/api/") and scope.get("method") in WRITE_METHODS:
+            media = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+            if media != b"application/json":
+                return _refusal(415, "unsupported_media_type", "Writes to /api need Content-Type: application/json")
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = self._check(scope)
+        if refusal is None:
+            await self.app(scope, receive, send)
+            return
+        status, headers, body = refusal
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,241 @@
+"""Hostile input and operator safety, black-box against real servers: API keys on every
+route, the Host allow-list, JSON-only writes to /api, request ids on 500s, fresh seeds,
+chat_template_kwargs limited to template variables, a template that raises, row caps,
+stop caps, include_usage, embeddings refusals, X-miLLM-Backend, and a non-streamed
+request cancelled when its client disconnects."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from starlette.requests import Request
+from starlette.responses import Response
+
+from millm_core.api import hookimpl
+from millm_core.config import load_settings
+from millm_core.server.app import build_host
+
+from .helpers import GatePlugin
+
+MESSAGES = [{"role": "user", "content": "go"}]
+
+
+def _chat(base_url: str, **body: Any) -> httpx.Response:
+    return httpx.post(base_url + "/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2, **body}, timeout=30)
+
+
+# ------------------------------------------------------------------ API keys
+
+
+def test_api_keys_guard_every_route_but_health(make_server) -> None:  # type: ignore[no-untyped-def]
+    from structlog.testing import capture_logs
+
+    keys = ("k-first-6a1f", "k-second-93bd")
+    with capture_logs() as logs, make_server(api_key=keys) as srv:
+        for path in ("/v1/models", "/v1/openapi.json", "/v1/docs", "/api/policy", "/api/saes", "/api/health/inference", "/api/steering"):
+            resp = httpx.get(srv.base_url + path)
+            assert resp.status_code == 401, path
+            assert resp.json()["error"] == {"message": "Missing API key: send Authorization: Bearer <key>", "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
+            assert resp.headers["www-authenticate"].startswith("Bearer") and resp.headers["x-request-id"]
+            wrong = httpx.get(srv.base_url + path, headers={"Authorization": "Bearer k-first-6a1"})
+            assert wrong.status_code == 401 and wrong.json()["error"]["message"] == "Invalid API key"
+            assert httpx.get(srv.base_url + path, headers={"Authorization": "Bearer " + keys[1]}).status_code == 200, path
+        for path in ("/api/health", "/api/health/ready"):
+            assert httpx.get(srv.base_url + path).status_code == 200
+        # Writes are guarded too, before anything reads the body.
+        assert httpx.post(srv.base_url + "/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES}).status_code == 401
+        # The official SDK authenticates with api_key= unchanged.
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key=keys[0], max_retries=0)
+        assert client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2).choices  # type: ignore[arg-type]
+        with pytest.raises(openai.AuthenticationError) as info:
+            openai.OpenAI(base_url=srv.base_url + "/v1", api_key="nope", max_retries=0).models.list()
+        assert info.value.body["code"] == "invalid_api_key"  # type: ignore[index]
+    assert not any(key in repr(logs) for key in keys)  # never logged
+
+
+def test_host_allow_list(make_server) -> None:  # type: ignore[no-untyped-def]
+    with make_server(allowed_hosts=("127.0.0.1", "localhost")) as srv:
+        assert httpx.get(srv.base_url + "/v1/models").status_code == 200
+        rebound = httpx.get(srv.base_url + "/v1/models", headers={"Host": "attacker.example:8000"})
+        assert rebound.status_code == 400 and rebound.json()["error"]["code"] == "host_not_allowed"
+
+
+def test_writes_to_api_need_a_json_content_type(server) -> None:  # type: ignore[no-untyped-def]
+    """A web page can send text/plain or form posts cross-site without a preflight; none
+    of them may change the server's state."""
+    url = server.base_url + "/api/saes"
+    for headers, content in (({"Content-Type": "text/plain"}, b'{"path": "/x"}'), ({"Content-Type": "application/x-www-form-urlencoded"}, b"path=/x"), ({}, b"")):
+        resp = httpx.post(url, headers=headers, content=content)
+        assert resp.status_code == 415 and resp.json()["error"]["code"] == "unsupported_media_type", resp.text
+    assert httpx.request("DELETE", server.base_url + "/api/steering").status_code == 415
+    json_post = httpx.post(url, json={"path": "/does/not/exist"})
+    assert json_post.status_code == 400  # reached the route: the path is refused there
+
+
+# ------------------------------------------------------------------ errors and seeds
+
+
+class Exploding:
+    @hookimpl
+    def millm_register_routes(self, register: Any) -> None:
+        async def explode(request: Request) -> Response:
+            raise RuntimeError("unexpected on purpose")
+
+        register("/api/test/explode", explode, ["GET"])
+
+
+def test_unexpected_500_carries_the_request_id_in_header_and_log(make_server) -> None:  # type: ignore[no-untyped-def]
+    from structlog.testing import capture_logs
+
+    host = build_host(load_settings(environ={}))
+    host.register(Exploding(), "exploding")
+    with make_server(host=host) as srv, capture_logs() as logs:
+        resp = httpx.get(srv.base_url + "/api/test/explode", headers={"X-Request-Id": "r7-probe"})
+        assert resp.status_code == 500 and resp.json()["error"]["code"] == "internal_error"
+        assert resp.headers["x-request-id"] == "r7-probe"
+    assert any(e["event"] == "unhandled_error" and e.get("request_id") == "r7-probe" for e in logs)
+
+
+def test_unseeded_requests_never_reuse_a_seed_from_the_request_id(server) -> None:  # type: ignore[no-untyped-def]
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 24, "temperature": 1.0}
+    url = server.base_url + "/v1/chat/completions"
+    texts = {httpx.post(url, json=body, headers={"X-Request-Id": "same-id"}).json()["choices"][0]["message"]["content"] for _ in range(3)}
+    assert len(texts) > 1  # 24 tokens drawn at temperature 1 from a random model: a repeat means a shared seed
+
+
+# ------------------------------------------------------------------ chat templates
+
+
+@pytest.mark.parametrize("kwargs", [{"chat_template": "Z"}, {"tokenize": True}, {"tools": []}, {"add_generation_prompt": False}, {"messages": []}])
+def test_chat_template_kwargs_take_template_variables_only(server, kwargs: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
+    resp = _chat(server.base_url, chat_template_kwargs={"flag": True, **kwargs})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == f"chat_template_kwargs.{next(iter(kwargs))}"
+    assert _chat(server.base_url, chat_template_kwargs={"flag": True}).status_code == 200  # variables are fine
+
+
+@pytest.fixture(scope="module")
+def picky_model(tiny_dir: str, tmp_path_factory: pytest.TempPathFactory, base_settings: Any) -> Any:
+    """The tiny model with a template that refuses system messages, as many real ones do."""
+    from millm_core.engine import ModelLocation
+    from millm_core.registry import ServedModel
+    from millm_engines.transformers.loader import load_engine
+
+    path = tmp_path_factory.mktemp("picky") / "model"
+    shutil.copytree(tiny_dir, path)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    config_file.write_text(json.dumps(config))
+    for extra in path.glob("chat_template.*"):
+        extra.unlink()
+    engine = load_engine(ModelLocation(path=str(path), served_name="picky"), base_settings)
+    return ServedModel(info=engine.info, engine=engine)
+
+
+def test_a_template_that_raises_is_a_400(make_server, picky_model: Any) -> None:  # type: ignore[no-untyped-def]
+    with make_server(models=[picky_model]) as srv:
+        body = {"model": "picky", "max_tokens": 2}
+        refused = httpx.post(srv.base_url + "/v1/chat/completions", json={**body, "messages": [{"role": "system", "content": "be brief"}, *MESSAGES]})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "chat_template_refused" and "System role not supported" in error["message"] and error["param"] == "messages"
+        assert httpx.post(srv.base_url + "/v1/chat/completions", json={**body, "messages": MESSAGES}).status_code == 200
+
+
+# ------------------------------------------------------------------ limits and honesty
+
+
+def test_rows_per_request_are_capped_by_name(make_server) -> None:  # type: ignore[no-untyped-def]
+    with make_server(max_rows_per_request=2) as srv:
+        many_choices = _chat(srv.base_url, n=3)
+        assert many_choices.status_code == 400
+        assert (many_choices.json()["error"]["code"], many_choices.json()["error"]["param"]) == ("too_many_rows", "n")
+        many_prompts = httpx.post(srv.base_url + "/v1/completions", json={"model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 1})
+        assert (many_prompts.status_code, many_prompts.json()["error"]["param"]) == (400, "prompt")
+        assert _chat(srv.base_url, n=2).status_code == 200
+
+
+def test_scoring_checks_the_context_window(short_context_server) -> None:  # type: ignore[no-untyped-def]
+    resp = httpx.post(short_context_server.base_url + "/v1/completions", json={"model": "tiny", "prompt": "word " * 200, "max_tokens": 1, "logprobs": 1})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", resp.text
+
+
+def test_stop_strings_are_capped(server) -> None:  # type: ignore[no-untyped-def]
+    resp = _chat(server.base_url, stop=["x" * 1025])
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stop[0]", resp.text
+    assert _chat(server.base_url, stop=["x" * 1024]).status_code == 200
+
+
+def test_include_usage_false_sends_no_usage(server) -> None:  # type: ignore[no-untyped-def]
+    def frames(options: dict[str, Any] | None) -> list[dict[str, Any]]:
+        extra = {"stream_options": options} if options is not None else {}
+        raw = _chat(server.base_url, stream=True, max_tokens=4, **extra).text
+        return [json.loads(line[6:]) for line in raw.split("\n\n") if line.startswith("data: {")]
+
+    assert not any("usage" in f for f in frames({"include_usage": False}))
+    assert any("usage" in f for f in frames({"include_usage": True})) and any("usage" in f for f in frames(None))
+
+
+def test_embeddings_refuse_generation_fields(server) -> None:  # type: ignore[no-untyped-def]
+    url = server.base_url + "/v1/embeddings"
+    for field, value in (("seed", 3), ("n", 2), ("logprobs", True), ("steering", {"features": []}), ("response_format", {"type": "json_object"})):
+        resp = httpx.post(url, json={"model": "tiny", "input": "x", field: value})
+        assert resp.status_code == 400 and (resp.json()["error"]["code"], resp.json()["error"]["param"]) == ("field_not_honoured", field), resp.text
+    assert httpx.post(url, json={"model": "tiny", "input": "x", "n": 1}).status_code == 200
+
+
+def test_backend_header_says_what_ran(server) -> None:  # type: ignore[no-untyped-def]
+    # The tiny model is a Llama: its rows run on the lean decode step, which joins batches.
+    assert _chat(server.base_url).headers["x-millm-backend"] == "batched"
+
+
+def test_model_not_loaded_503_has_retry_after(make_server) -> None:  # type: ignore[no-untyped-def]
+    with make_server(models=[]) as srv:
+        resp = _chat(srv.base_url)
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "model_not_loaded"
+        assert int(resp.headers["retry-after"]) >= 1
+
+
+# ------------------------------------------------------------------ disconnects
+
+
+def _stats(base_url: str) -> dict[str, Any]:
+    return dict(httpx.get(base_url + "/api/health/inference").json()["scheduler"])
+
+
+def test_a_non_streamed_request_is_cancelled_when_its_client_disconnects(make_server) -> None:  # type: ignore[no-untyped-def]
+    host = build_host(load_settings(environ={}))
+    slow = GatePlugin(delay=0.02)  # 20 ms a token: 400 tokens would take 8 s
+    slow.gate.set()
+    host.register(slow, "slow")
+    with make_server(host=host) as srv:
+        port = int(srv.base_url.rsplit(":", 1)[1])
+        body = json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": 400, "temperature": 0}).encode()
+        request = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+        )  # fmt: skip
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(request)
+            deadline = time.monotonic() + 10
+            while _stats(srv.base_url)["active_rows"] != 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert _stats(srv.base_url)["active_rows"] == 1
+        # The socket is closed: the row is freed at the next step, long before 400 tokens.
+        deadline = time.monotonic() + 10
+        while _stats(srv.base_url)["cancelled_rows"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stats = _stats(srv.base_url)
+        assert stats["cancelled_rows"] == 1 and stats["active_rows"] == 0
+        assert stats["generated_tokens"] < 200
