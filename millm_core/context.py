@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar, cast
 from .config import Settings
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from .registry import ModelRegistry
     from .store import Store
 
@@ -80,6 +82,8 @@ class AppContext:
     models: ModelRegistry
     store: Store
     model_thread: ModelThread
+    # The app's Prometheus registry (``GET /metrics``): plugins may register their own metrics.
+    metrics: CollectorRegistry
     stash: Stash = field(default_factory=lambda: Stash())
 
     async def run_model(self, fn: Callable[[], T]) -> T:
@@ -102,11 +106,14 @@ class RequestContext:
     app: AppContext
     stream: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    started: float = field(default_factory=time.monotonic)  # for latency metrics
     response_headers: dict[str, str] = field(default_factory=dict)
     ignored_fields: list[str] = field(default_factory=list)
     stash: Stash = field(default_factory=Stash)
     # The prompt token ids, once the core rendered them (chat and text completions).
     prompts: list[list[int]] | None = None
+    # Fields added to this request's access-log line (the core adds token counts).
+    access_log: dict[str, object] = field(default_factory=dict)
 
     def set_header(self, name: str, value: str) -> None:
         self.response_headers[name] = value

@@ -23,6 +23,7 @@ from ..context import AppContext, Endpoint
 from ..contracts import ENDPOINT_CONTRACTS
 from ..errors import ConfigError, MillmError
 from ..fields import FieldPolicy
+from ..metrics import AccessMiddleware, Metrics
 from ..openapi import html_page, openapi_document, render
 from ..plugins import PluginHost
 from ..registry import ModelRegistry, ServedModel
@@ -34,6 +35,7 @@ from .guard import GuardMiddleware
 from .middleware import RequestIdMiddleware
 from .routes.common import chat_completions, completions
 from .routes.health import api_docs, health, inference, openapi, ready
+from .routes.metrics import metrics as metrics_route
 from .routes.health import policy as policy_route
 from .routes.models import get_model, list_models
 from .state import AppState
@@ -108,6 +110,7 @@ def create_app(
         settings = msgspec.structs.replace(settings, plugin_values={**missing, **settings.plugin_values})
     assembly = assemble(host)
     registry = models if models is not None else ModelRegistry()
+    metrics = Metrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -119,8 +122,12 @@ def create_app(
             scheduler.shutdown()
             app.state.startup_error = f"cannot open the database {db!r}: {exc}"
             raise ConfigError(app.state.startup_error) from exc
-        context = AppContext(settings=settings, models=registry, store=store, model_thread=scheduler)
-        state = AppState(app=context, host=host, policy=assembly.policy, scheduler=scheduler, request_types=assembly.request_types, serves_embeddings=assembly.embeddings)
+        metrics.watch_scheduler(scheduler.snapshot)
+        context = AppContext(settings=settings, models=registry, store=store, model_thread=scheduler, metrics=metrics.registry)
+        state = AppState(
+            app=context, host=host, policy=assembly.policy, scheduler=scheduler, request_types=assembly.request_types,
+            serves_embeddings=assembly.embeddings, metrics=metrics,
+        )  # fmt: skip
         document = openapi_document(assembly.request_types, host.response_schemas(), host.documented_routes(), assembly.embeddings)
         state.openapi_json = render(document).encode()
         state.docs_html = html_page(document)
@@ -176,6 +183,7 @@ def create_app(
         Route("/api/policy", policy_route, methods=["GET"]),
         Route("/v1/openapi.json", openapi, methods=["GET"]),
         Route("/v1/docs", api_docs, methods=["GET"]),
+        Route("/metrics", metrics_route, methods=["GET"]),
     ]
     routes.extend(_merged_routes(host.routes()))
     app = Starlette(
@@ -183,7 +191,9 @@ def create_app(
         lifespan=lifespan,
         exception_handlers={MillmError: handle_millm_error, HTTPException: handle_http_exception, Exception: handle_unexpected},
     )
-    # Added last = outermost: every refusal the guard makes carries its X-Request-Id.
+    # Added last = outermost: every refusal the guard makes carries its X-Request-Id, and
+    # every response (refusals included) is counted and logged once.
     app.add_middleware(GuardMiddleware, api_keys=settings.api_key, allowed_hosts=settings.allowed_hosts)
+    app.add_middleware(AccessMiddleware, metrics=metrics, routes=lambda: app.routes)
     app.add_middleware(RequestIdMiddleware)
     return app

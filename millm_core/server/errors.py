@@ -36,9 +36,15 @@ def retry_after(request: Request) -> str:
     return str(max(1, int(estimate()))) if callable(estimate) else "1"
 
 
+def _note_code(request: Request, code: str | None) -> None:
+    """The error code, for the access log and the requests metric."""
+    request.scope.setdefault("state", {})["error_code"] = code or ""
+
+
 async def handle_millm_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, MillmError)
     log.info("request_refused", status=exc.status, code=exc.code, param=exc.param)
+    _note_code(request, exc.code)
     if exc.status == 503 and not any(k.lower() == "retry-after" for k in exc.headers):
         exc.headers["Retry-After"] = retry_after(request)
     return error_response(exc)
@@ -51,6 +57,7 @@ async def handle_http_exception(request: Request, exc: Exception) -> Response:
     # Keep the exception's own headers: a 405 must say which methods are allowed (Allow).
     err = MillmError(message, code=code, status=exc.status_code, headers=dict(exc.headers or {}))
     err.type = type_
+    _note_code(request, code)
     return error_response(err)
 
 
@@ -60,6 +67,7 @@ async def handle_unexpected(request: Request, exc: Exception) -> Response:
     request_id = str(request.scope.get("state", {}).get("request_id", ""))
     log.exception("unhandled_error", exc_type=type(exc).__name__, request_id=request_id)
     err = internal_error()
+    _note_code(request, err.code)
     if request_id:
         err.headers["X-Request-Id"] = request_id
     return error_response(err)

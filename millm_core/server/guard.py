@@ -18,10 +18,13 @@ OPEN_PATHS = frozenset({"/api/health", "/api/health/ready"})
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
-def _refusal(status: int, code: str, message: str, extra: list[tuple[bytes, bytes]] | None = None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+Refusal = tuple[int, str, list[tuple[bytes, bytes]], bytes]  # status, code, headers, body
+
+
+def _refusal(status: int, code: str, message: str, extra: list[tuple[bytes, bytes]] | None = None) -> Refusal:
     body = encode(ErrorResponse(error=ErrorBody(message=message, type="invalid_request_error", param=None, code=code)))
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(extra or [])]
-    return status, headers, body
+    return status, code, headers, body
 
 
 class GuardMiddleware:
@@ -35,7 +38,7 @@ class GuardMiddleware:
         self._keys = [key.encode() for key in api_keys]
         self._hosts = frozenset(h.lower() for h in allowed_hosts)
 
-    def _check(self, scope: Scope) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+    def _check(self, scope: Scope) -> Refusal | None:
         headers = {k.lower(): v for k, v in scope.get("headers") or []}
         path: str = scope.get("path", "")
         if self._hosts:
@@ -67,6 +70,7 @@ class GuardMiddleware:
         if refusal is None:
             await self.app(scope, receive, send)
             return
-        status, headers, body = refusal
+        status, code, headers, body = refusal
+        scope.setdefault("state", {})["error_code"] = code
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})

@@ -22,7 +22,8 @@ from ..context import RequestContext
 from ..contracts.common import StreamOptions, Usage
 from ..engine import backend_of
 from ..errors import MillmError
-from ..pipeline_types import Finalization, Reply
+from ..metrics import TokenClock
+from ..pipeline_types import Finalization, Outcome, Reply
 from ..registry import ServedModel
 from ..sfv import string_list
 from .errors import error_body, internal_error
@@ -77,8 +78,11 @@ async def complete(state: AppState, prepared: Prepared, shapes: Shapes) -> Respo
     texts = [""] * handle.rows
     reasons: list[str | None] = [None] * handle.rows
     counts = [0] * handle.rows
+    clock = TokenClock(state.metrics, prepared.ctx.started)
     try:
         async for step in events(handle):
+            if step.events:
+                clock.tick()
             for ev in step.events:
                 texts[ev.row] += ev.text
                 counts[ev.row] += 1
@@ -88,6 +92,7 @@ async def complete(state: AppState, prepared: Prepared, shapes: Shapes) -> Respo
         handle.job.cancel()
         raise
     result = outcome(prepared, texts, reasons, counts)
+    count_tokens(state, prepared.ctx, result)
     final = finalize(state, prepared, result)
     info = prepared.model.info
     usage = Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens, total_tokens=result.prompt_tokens + result.completion_tokens)
@@ -114,10 +119,13 @@ def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
         texts = [""] * handle.rows
         reasons: list[str | None] = [None] * handle.rows
         open_rows = handle.rows
+        clock = TokenClock(state.metrics, prepared.ctx.started)
         try:
             for row in range(handle.rows):
                 yield sse_frame(shapes.chunk(response_id, created, info.served_name, row, None, None, True, None))
             async for step in events(handle):
+                if step.events:
+                    clock.tick()
                 for ev in step.events:
                     counts[ev.row] += 1
                     texts[ev.row] += ev.text
@@ -131,7 +139,9 @@ def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
                         yield sse_frame(shapes.chunk(response_id, created, info.served_name, ev.row, ev.text, ev.finish_reason, False, usage))
                     elif ev.text:
                         yield sse_frame(shapes.chunk(response_id, created, info.served_name, ev.row, ev.text, None, False, None))
-            final = finalize(state, prepared, outcome(prepared, texts, reasons, counts))
+            result = outcome(prepared, texts, reasons, counts)
+            count_tokens(state, prepared.ctx, result)
+            final = finalize(state, prepared, result)
             for key, value in final.extensions.items():
                 yield encode_extension(response_id, created, info.served_name, shapes, key, value)
         except MillmError as exc:
@@ -158,10 +168,18 @@ def encode_extension(response_id: str, created: int, model: str, shapes: Shapes,
     return b"data: " + encode(base) + b"\n\n"
 
 
+def count_tokens(state: AppState, ctx: RequestContext, result: Outcome) -> None:
+    """Token counters, and the counts on the request's access-log line."""
+    state.metrics.tokens(ctx.endpoint, result.prompt_tokens, result.completion_tokens)
+    ctx.access_log["prompt_tokens"] = result.prompt_tokens
+    ctx.access_log["completion_tokens"] = result.completion_tokens
+
+
 def reply(state: AppState, ctx: RequestContext, request: Any, model: ServedModel, result: Reply) -> Response:
     """A computed reply: the common headers, the plugin's own, then ``millm_finalize``'s
     headers and body extensions (finalize runs for every path)."""
     out = Finalization()
+    count_tokens(state, ctx, result.outcome)
     state.host.finalize(ctx, request, result.outcome, out)
     headers = {**response_headers(ctx, model.info.served_name), **result.headers, **out.headers}
     body = result.body

@@ -13,6 +13,7 @@ import msgspec
 from ..config import Settings
 from ..context import AppContext, Endpoint
 from ..fields import FieldPolicy
+from ..metrics import Metrics
 from ..plugins import PluginHost
 from ..registry import ModelRegistry
 from ..scheduler import Scheduler
@@ -31,6 +32,7 @@ class AppState:
     # One thread renders chat templates and tokenises prompts, off the event loop (one:
     # a tokenizer is not safe to drive from several threads at once).
     render_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="millm-render"))
+    metrics: Metrics = field(default_factory=lambda: Metrics())
     serves_embeddings: bool = False
     openapi_json: bytes = b""
     docs_html: str = ""

@@ -74,6 +74,7 @@ async def decode_request(request: Request, endpoint: Endpoint) -> Admission:
         headers={k.lower(): v for k, v in request.headers.items()},
         app=state.app,
         stream=bool(getattr(decoded, "stream", False)),
+        access_log=request.scope.setdefault("state", {}),
     )
     # A known field is either refused (non-neutral) or asks for nothing: never "unused".
     ctx.ignored_fields.extend(loc for loc in unknown_fields(raw, type_) if loc not in KNOWN_FIELDS)
