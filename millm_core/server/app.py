@@ -35,8 +35,8 @@ from .guard import GuardMiddleware
 from .middleware import RequestIdMiddleware
 from .routes.common import chat_completions, completions
 from .routes.health import api_docs, health, inference, openapi, ready
-from .routes.metrics import metrics as metrics_route
 from .routes.health import policy as policy_route
+from .routes.metrics import metrics as metrics_route
 from .routes.models import get_model, list_models
 from .state import AppState
 
