@@ -191,6 +191,17 @@ class Joinable(Protocol):
 
 
 @runtime_checkable
+class MemoryAware(Protocol):
+    """An engine that can tell, before rows run, whether they fit in the memory free now
+    (admission then refuses with ``503 insufficient_memory`` instead of running out of
+    memory mid-step)."""
+
+    def memory_shortfall(self, prompt_lengths: Sequence[int], max_new_tokens: int) -> str | None:
+        """None when rows of these prompt lengths, each generating up to
+        ``max_new_tokens``, fit now; else why not, naming the device."""
+
+
+@runtime_checkable
 class Embedder(Protocol):
     """What an engine with :attr:`Capability.EMBEDDINGS` offers besides generation (mean
     pooling; ``last`` and ``cls`` too with :attr:`Capability.POOLINGS`). An engine may set

@@ -21,8 +21,8 @@ from ..builtin import STRUCTURAL_FIELDS
 from ..context import RequestContext
 from ..contracts.chat import ChatCompletionRequest
 from ..contracts.completions import CompletionRequest
-from ..engine import Capacity, RowSpec, SamplingParams
-from ..errors import CapacityExceeded, FieldNotHonoured, InvalidRequest, MillmError
+from ..engine import Capacity, MemoryAware, RowSpec, SamplingParams
+from ..errors import CapacityExceeded, FieldNotHonoured, InvalidRequest, MillmError, OutOfMemory
 from ..pipeline_types import (
     ChoiceResult,
     Finalization,
@@ -173,6 +173,11 @@ def check_capacity(model: ServedModel, prompts: list[list[int]], n: int, max_new
             f"serving '{model.info.served_name}' runs at most {capacity.max_rows}",
             param="n" if n > 1 else "prompt",
         )
+    engine = model.engine
+    if isinstance(engine, MemoryAware):
+        short = engine.memory_shortfall([len(p) for p in prompts for _ in range(n)], max_new)
+        if short:
+            raise OutOfMemory(f"not enough memory for this request now: {short}. Retry later, or ask for fewer tokens or rows")
     need = sum(len(p) + max_new for p in prompts) * n
     if capacity.max_tokens is not None and need > capacity.max_tokens:
         raise CapacityExceeded(

@@ -8,18 +8,19 @@ dropped from the KV cache between steps.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from millm_core.api import ModelInfo, RowSpec, SamplingParams
+from millm_core.api import ModelInfo, OutOfMemory, RowSpec, SamplingParams
 
 from .chat import render_chat_ids
 from .fastpath import KVCache, LlamaDecoder
 from .fp32 import Float32Copies
+from .memory import available_bytes, shortfall
 from .plugin import CAPABILITIES  # declared once, before any load
 from .sampler import apply_biases, sample
 
@@ -102,6 +103,15 @@ class TransformersEngine:
     def render_chat(self, messages: Sequence[Mapping[str, Any]], /, **template_kwargs: Any) -> list[int]:
         return render_chat_ids(self.tokenizer, messages, template_kwargs)
 
+    # ------------------------------------------------------------------ memory
+
+    memory_probe: Callable[[torch.device], int] = staticmethod(available_bytes)  # replaceable in tests
+
+    def memory_shortfall(self, prompt_lengths: Sequence[int], max_new_tokens: int) -> str | None:
+        """Why rows of these lengths would not fit in the memory free now (None: they fit)."""
+        dtype = next(self.model.parameters()).dtype
+        return shortfall(self.model.config, dtype, self.device, prompt_lengths, max_new_tokens, probe=self.memory_probe)
+
     # ------------------------------------------------------------------ batches
 
     def open_batch(self, rows: Sequence[RowSpec]) -> HFBatch:
@@ -141,6 +151,12 @@ class TransformersEngine:
 
     @torch.inference_mode()
     def step(self, batch: HFBatch, biases: Sequence[Mapping[int, float] | None]) -> list[int]:
+        try:
+            return self._step(batch, biases)
+        except (torch.OutOfMemoryError, MemoryError) as exc:  # admission estimated wrong, or memory went elsewhere
+            raise OutOfMemory(f"the {self.device} device ran out of memory during a decode step; retry, or ask for fewer tokens") from exc
+
+    def _step(self, batch: HFBatch, biases: Sequence[Mapping[int, float] | None]) -> list[int]:
         if not batch.started:
             batch.started = True
             logits = self._prefill(batch)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import threading
 from collections.abc import Iterator
 
@@ -18,17 +17,7 @@ from torch import nn
 
 from millm_core.api import ScoringPrecisionUnavailable
 
-
-def available_memory_bytes() -> int:
-    """Memory the process can still use: MemAvailable on Linux, else free physical pages."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+from .memory import available_bytes
 
 
 def castability_problem(model: nn.Module) -> str | None:
@@ -71,7 +60,7 @@ class Float32Copies:
                 f"SCORING_FLOAT32_DEVICE={device!r} is not usable: the model is on {here}", reason="device"
             )
         need = sum(p.numel() for p in params) * 4
-        free = available_memory_bytes()
+        free = available_bytes(here)
         if need + headroom_mb * 2**20 > free:
             raise ScoringPrecisionUnavailable(
                 f"a float32 copy needs {need / 2**20:.0f} MiB plus {headroom_mb} MiB headroom; "

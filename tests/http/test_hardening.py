@@ -239,3 +239,27 @@ def test_a_non_streamed_request_is_cancelled_when_its_client_disconnects(make_se
         stats = _stats(srv.base_url)
         assert stats["cancelled_rows"] == 1 and stats["active_rows"] == 0
         assert stats["generated_tokens"] < 200
+
+
+def test_a_request_that_cannot_fit_in_memory_is_503_before_it_runs(make_server, tiny_model) -> None:  # type: ignore[no-untyped-def]
+    """Admission estimates the rows' memory (KV cache, prefill, logits) against what the
+    device has free now; the probe of free memory is set so that a small request fits and
+    a large one does not."""
+    from millm_engines.transformers.memory import HEADROOM_BYTES, rows_bytes
+
+    engine = tiny_model.engine
+    dtype = next(engine.model.parameters()).dtype
+    small, large = rows_bytes(engine.model.config, dtype, [16], 4), rows_bytes(engine.model.config, dtype, [16] * 8, 120)
+    assert large > 4 * small
+    engine.memory_probe = lambda device: HEADROOM_BYTES + 2 * small
+    try:
+        with make_server(models=[tiny_model]) as srv:
+            refused = _chat(srv.base_url, n=8, max_tokens=120)
+            assert refused.status_code == 503, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "insufficient_memory" and "cpu" in error["message"]
+            assert int(refused.headers["retry-after"]) >= 1
+            assert _stats(srv.base_url)["steps"] == 0  # refused before anything ran
+            assert _chat(srv.base_url, max_tokens=4).status_code == 200
+    finally:
+        del engine.memory_probe
