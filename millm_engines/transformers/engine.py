@@ -318,10 +318,11 @@ class TransformersEngine:
                 mask[row, width - len(prompt) :] = 1
             positions = (mask.cumsum(-1) - 1).clamp_(min=0)
             padded = any(len(p) != width for p in chunk)
+            device = next(model.parameters()).device  # a float32 copy may live elsewhere
             logits = model(
-                input_ids=ids.to(self.device),
-                attention_mask=mask.to(self.device) if padded else None,
-                position_ids=positions.to(self.device),
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device) if padded else None,
+                position_ids=positions.to(device),
                 use_cache=False,
                 logits_to_keep=1,
             ).logits[:, -1, :]

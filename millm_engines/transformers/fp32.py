@@ -29,6 +29,38 @@ def castability_problem(model: nn.Module) -> str | None:
     return None
 
 
+def _normalise(name: str) -> torch.device:
+    """``cuda`` means the current CUDA device (``cuda:0`` unless set otherwise)."""
+    try:
+        dev = torch.device(name)
+    except RuntimeError as exc:
+        raise ScoringPrecisionUnavailable(f"SCORING_FLOAT32_DEVICE={name!r} is not a device name", reason="device") from exc
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def choose_device(setting: str, here: torch.device, need: int) -> torch.device:
+    """Where the float32 copy goes. ``auto``: beside the model when it fits there, else in
+    CPU memory (a GPU model's copy falls back to the CPU); a named device must exist and
+    have room. ``cpu`` is accepted whatever device the model is on."""
+    if setting == "auto":
+        candidates = [here] if here.type == "cpu" else [here, torch.device("cpu")]
+    else:
+        target = _normalise(setting)
+        if target.type == "cuda" and not torch.cuda.is_available():
+            raise ScoringPrecisionUnavailable(f"SCORING_FLOAT32_DEVICE={setting!r} is not usable: no CUDA device is present", reason="device")
+        if target.type not in ("cpu", "cuda"):
+            raise ScoringPrecisionUnavailable(f"SCORING_FLOAT32_DEVICE={setting!r} is not usable here (cpu or cuda devices only)", reason="device")
+        candidates = [target]
+    free = {dev: available_bytes(dev) for dev in candidates}
+    for dev in candidates:
+        if need <= free[dev]:
+            return dev
+    where = "; ".join(f"{free[dev] / 2**20:.0f} MiB are available on {dev}" for dev in candidates)
+    raise ScoringPrecisionUnavailable(f"a float32 copy needs {need / 2**20:.0f} MiB (headroom included); {where}", reason="memory")
+
+
 class Float32Copies:
     """Builds one float32 copy at a time (a second concurrent request is ``busy``)."""
 
@@ -55,21 +87,11 @@ class Float32Copies:
         if problem:
             raise ScoringPrecisionUnavailable(f"cannot build a float32 copy: {problem}", reason="model_not_float32_castable")
         here = params[0].device
-        if device not in ("auto", str(here)) and not (device == "cpu" and here.type == "cpu"):
-            raise ScoringPrecisionUnavailable(
-                f"SCORING_FLOAT32_DEVICE={device!r} is not usable: the model is on {here}", reason="device"
-            )
-        need = sum(p.numel() for p in params) * 4
-        free = available_bytes(here)
-        if need + headroom_mb * 2**20 > free:
-            raise ScoringPrecisionUnavailable(
-                f"a float32 copy needs {need / 2**20:.0f} MiB plus {headroom_mb} MiB headroom; "
-                f"{free / 2**20:.0f} MiB are available on {here}",
-                reason="memory",
-            )
+        need = sum(p.numel() for p in params) * 4 + headroom_mb * 2**20
+        target = choose_device(device, here, need)
         with self.hold():
             try:
-                clone = copy.deepcopy(model).to(torch.float32)
+                clone = copy.deepcopy(model).to(device=target, dtype=torch.float32)
             except (MemoryError, RuntimeError) as exc:
                 raise ScoringPrecisionUnavailable(f"building the float32 copy ran out of memory: {exc}", reason="memory") from exc
             try:

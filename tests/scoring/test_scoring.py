@@ -170,13 +170,30 @@ def test_float32_scoring_matches_a_float32_reference_and_native_does_not(bf16_se
     assert "x-millm-scoring-precision" not in plain.headers and "scoring_precision" not in plain.json()
 
 
-@pytest.mark.parametrize(("setting", "reason"), [({"scoring_float32_headroom_mb": 10**9}, "memory"), ({"scoring_float32_device": "cuda:0"}, "device")])
+@pytest.mark.parametrize(
+    ("setting", "reason"),
+    [
+        ({"scoring_float32_headroom_mb": 10**9}, "memory"),
+        ({"scoring_float32_device": "cuda:0"}, "device"),  # no CUDA device on this machine
+        ({"scoring_float32_device": "cuda"}, "device"),
+        ({"scoring_float32_device": "tpu:7"}, "device"),
+    ],
+)
 def test_float32_refusals_say_why(make_server, bf16_model: ServedModel, setting: dict[str, Any], reason: str) -> None:  # type: ignore[no-untyped-def]
     with make_server(models=[bf16_model], **setting) as srv:
         resp = post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "logprobs": 1, "scoring_precision": "float32"})
         assert resp.status_code == 409
         assert resp.json()["error"]["code"] == "scoring_precision_unavailable" and resp.json()["error"]["param"] == "scoring_precision"
         assert resp.headers["x-millm-scoring-precision-reason"] == reason
+
+
+def test_float32_copy_on_cpu_is_accepted_and_matches_auto(bf16_model: ServedModel) -> None:
+    """``cpu`` names the copy's device explicitly; on a CPU model it is where ``auto`` goes."""
+    engine = bf16_model.engine
+    ids = [engine.tokenizer(PROMPT)["input_ids"]]
+    on_cpu = engine.next_token_logits(ids, float32=True, float32_device="cpu")
+    auto = engine.next_token_logits(ids, float32=True, float32_device="auto")
+    assert on_cpu.dtype.name == "float32" and (on_cpu == auto).all()
 
 
 def test_float32_busy_and_not_castable(bf16_model: ServedModel) -> None:
