@@ -38,6 +38,7 @@ _HELP = {
     "api_key": "comma-separated bearer keys required on every route but /api/health and /api/health/ready (prefer the env var)",
     "allowed_hosts": "comma-separated Host header values accepted (default: any)",
     "read_timeout": "seconds a client may take to send its request (default 30)",
+    "max_inflight": "HTTP requests in flight (reading, queued or running) before new ones get 503 server_busy (default 256)",
     "threads": "CPU threads model code uses (default: the engine library's own choice)",
     "cache_dir": "where converted models are cached (default ~/.cache/millm)",
     "db": "the SQLite database for what persists (default ~/.local/share/millm/millm.db)",

@@ -41,6 +41,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     allowed_hosts: tuple[str, ...] = ()
     # Seconds a client may take to send its request (slow-body clients are dropped).
     read_timeout: int = 30
+    # HTTP requests in flight (reading, waiting or running) before new ones get 503.
+    max_inflight: int = 256
     threads: int | None = None
     cache_dir: str | None = None
     db: str | None = None
@@ -104,6 +106,7 @@ PARSERS: Mapping[str, object] = {
     "api_key": _csv,
     "allowed_hosts": _csv,
     "read_timeout": int,
+    "max_inflight": int,
     "threads": _opt_int,
     "cache_dir": str,
     "db": str,
@@ -165,6 +168,8 @@ def load_settings(
         raise ConfigError("--max-queue must be at least 1")
     if settings.max_rows_per_request < 1:
         raise ConfigError("--max-rows-per-request must be at least 1")
+    if settings.max_inflight < 1:
+        raise ConfigError("--max-inflight must be at least 1")
     if settings.read_timeout < 1:
         raise ConfigError("--read-timeout must be at least 1 second")
     return settings

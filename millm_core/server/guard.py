@@ -1,7 +1,8 @@
-"""ASGI middleware that guards every route before it runs: the optional API keys
-(``--api-key``), the optional Host allow-list (``--allowed-hosts``) and a JSON content
-type on writes to ``/api`` (so no cross-site "simple request" from a web page can change
-the server's state). Refusals take the OpenAI error shape.
+"""ASGI middleware that guards every route before it runs: a cap on requests in flight
+(``--max-inflight``: slow-body clients cannot pile up; ``--read-timeout`` drops them), the
+optional API keys (``--api-key``), the optional Host allow-list (``--allowed-hosts``) and
+a JSON content type on writes to ``/api`` (so no cross-site "simple request" from a web
+page can change the server's state). Refusals take the OpenAI error shape.
 """
 
 from __future__ import annotations
@@ -29,14 +30,18 @@ def _refusal(status: int, code: str, message: str, extra: list[tuple[bytes, byte
 
 class GuardMiddleware:
     """Refuses, before any route runs: a missing or wrong bearer key (401
-    ``invalid_api_key``), a Host outside the allow-list (400 ``host_not_allowed``), and a
+    ``invalid_api_key``), a Host outside the allow-list (400 ``host_not_allowed``), a
     write to ``/api`` without ``Content-Type: application/json`` (415
-    ``unsupported_media_type``). Keys are compared in constant time and never logged."""
+    ``unsupported_media_type``), and any request past ``max_inflight`` in flight (503
+    ``server_busy``; health and readiness are never refused). Keys are compared in
+    constant time and never logged."""
 
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], allowed_hosts: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], allowed_hosts: tuple[str, ...], max_inflight: int = 256) -> None:
         self.app = app
         self._keys = [key.encode() for key in api_keys]
         self._hosts = frozenset(h.lower() for h in allowed_hosts)
+        self._max_inflight = max_inflight
+        self._inflight = 0  # requests between their headers and their last byte (event loop only)
 
     def _check(self, scope: Scope) -> Refusal | None:
         headers = {k.lower(): v for k, v in scope.get("headers") or []}
@@ -67,8 +72,14 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         refusal = self._check(scope)
+        if refusal is None and scope.get("path") not in OPEN_PATHS and self._inflight >= self._max_inflight:
+            refusal = _refusal(503, "server_busy", f"{self._inflight} requests are in flight (--max-inflight); retry shortly", [(b"retry-after", b"1")])
         if refusal is None:
-            await self.app(scope, receive, send)
+            self._inflight += 1
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                self._inflight -= 1
             return
         status, code, headers, body = refusal
         scope.setdefault("state", {})["error_code"] = code

@@ -263,3 +263,32 @@ def test_a_request_that_cannot_fit_in_memory_is_503_before_it_runs(make_server, 
             assert _chat(srv.base_url, max_tokens=4).status_code == 200
     finally:
         del engine.memory_probe
+
+
+def test_slow_body_clients_are_capped_and_dropped(make_server) -> None:  # type: ignore[no-untyped-def]
+    """A client that sends headers and then only part of its body holds a request slot:
+    past --max-inflight others get 503 server_busy (health still answers), and after
+    --read-timeout the server drops it and the slot frees."""
+    with make_server(max_inflight=1, read_timeout=1) as srv:
+        port = int(srv.base_url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as slow:
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+            deadline = time.monotonic() + 5
+            busy = None
+            while time.monotonic() < deadline:
+                busy = httpx.get(srv.base_url + "/v1/models")
+                if busy.status_code == 503:
+                    break
+                time.sleep(0.05)
+            assert busy is not None and busy.status_code == 503 and busy.json()["error"]["code"] == "server_busy"
+            assert busy.headers["retry-after"] == "1"
+            assert httpx.get(srv.base_url + "/api/health").status_code == 200
+            slow.settimeout(10)
+            started = time.monotonic()
+            answer = slow.recv(4096)  # the server gives up on the body after the read timeout
+            assert time.monotonic() - started < 5
+            assert answer == b"" or (answer.split(b" ", 2)[1] == b"400" and b"incomplete_body" in answer), answer[:200]
+        deadline = time.monotonic() + 10
+        while httpx.get(srv.base_url + "/v1/models").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(srv.base_url + "/v1/models").status_code == 200

@@ -10,13 +10,13 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import structlog
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from ...codec import convert, decode_json
 from ...context import Endpoint, RequestContext
 from ...contracts.known import KNOWN_FIELDS
-from ...errors import FieldNotHonoured, ModelNotLoaded, PayloadTooLarge
+from ...errors import FieldNotHonoured, InvalidRequest, ModelNotLoaded, PayloadTooLarge
 from ...fields import known_refusals
 from ...pipeline_types import Compute, Generate
 from ...prompts import render_prompts
@@ -48,11 +48,14 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise PayloadTooLarge(f"The request body ({declared} bytes) exceeds the limit of {limit} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect as exc:  # gone mid-body, or dropped after --read-timeout
+        raise InvalidRequest(f"The request body stopped after {size} bytes (client gone or too slow)", code="incomplete_body") from exc
     return b"".join(chunks)
 
 
