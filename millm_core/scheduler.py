@@ -1,233 +1,363 @@
-"""Admission and execution of generation jobs.
+"""Admission and execution of generation jobs and model calls.
 
 One worker thread per scheduler runs jobs; a job's rows (its choices and prompts) form one
 batch stepped together. Events go back to the request's asyncio queue once per step.
 Cancellation is checked between steps, so a client that disconnects frees its rows within
-one step.
+one step; a job or call cancelled while it waits leaves the queue at once.
 
-The worker thread is the only thread that runs model code: loading included (see
-:meth:`Scheduler.call`). With torch's OpenMP runtime, a second thread doing tensor work
-gets its own thread team, and the two teams then slow each other down for good (measured
-here: 27 → 19 tok/s on a 135M-parameter model after one call from another thread).
+The worker thread is the only thread that runs model code: loading, scoring, embeddings
+and SAE reads included (see :meth:`Scheduler.call`). With torch's OpenMP runtime, a second
+thread doing tensor work gets its own thread team, and the two teams then slow each other
+down for good (measured here: 27 → 19 tok/s on a 135M-parameter model after one call from
+another thread).
 
 On an engine that is :class:`~millm_core.engine.Joinable` (the GGUF engine; the
 transformers engine on its lean decode step), jobs queued for the same engine join the
 running batch between steps while the engine says they fit: concurrent requests then share
-each forward pass. Otherwise a batch holds one job's rows.
+each forward pass. A queued job that cannot join (another engine, no room) does not hold
+back later jobs that can, up to :attr:`Scheduler.max_overtakes` times; after that the
+batch takes no more joins and drains so that it runs next. Otherwise a batch holds one
+job's rows. Model calls run between steps, in queue order.
+
+Failures are per row: a token processor that raises, a row an engine reports failed
+(:class:`~millm_core.jobs.RowsFailed`) or a join the engine refuses fails its own request
+only; the batch's other rows go on. An engine step that raises fails every job in the
+batch, and the scheduler goes on with the next. If the worker thread itself stops, every
+waiting and running request gets a typed 503 and :attr:`Scheduler.healthy` turns false.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import msgspec
 import structlog
 
-from .engine import Engine, Joinable, RowSpec
-from .errors import QueueFull
-from .rows import RowDriver, RowEvent
+from .engine import Joinable
+from .errors import MillmError, QueueFull, ServiceUnavailable
+from .jobs import (
+    Call,
+    Job,
+    JobDone,
+    JobEvent,
+    JobFailed,
+    RowsFailed,
+    SchedulerStats,
+    ServiceClock,
+    StepEvents,
+    row_error,
+    scheduler_down,
+    threadsafe_emitter,
+)
+from .rows import RowEvent
+
+__all__ = [
+    "Call",
+    "Job",
+    "JobDone",
+    "JobEvent",
+    "JobFailed",
+    "RowsFailed",
+    "Scheduler",
+    "SchedulerStats",
+    "StepEvents",
+    "threadsafe_emitter",
+]
 
 log = structlog.get_logger("millm.scheduler")
 
-
-@dataclass
-class StepEvents:
-    """Row events of one decode step (only rows that were live in it)."""
-
-    events: list[RowEvent]
-
-
-@dataclass
-class JobDone:
-    """The job ended: every row finished or the job was cancelled."""
-
-    cancelled: bool
-
-
-@dataclass
-class JobFailed:
-    """The job raised; ``error`` is the exception."""
-
-    error: BaseException
-
-
-JobEvent = StepEvents | JobDone | JobFailed
-
-
-@dataclass
-class Job:
-    """Rows of one request, to be stepped together on one engine."""
-
-    engine: Engine
-    rows: list[RowSpec]
-    drivers: list[RowDriver]
-    emit: Callable[[JobEvent], None]
-    request_id: str = ""
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-
-class SchedulerStats(msgspec.Struct, kw_only=True):
-    """Counters exposed at ``GET /api/health/inference``."""
-
-    queued: int = 0
-    running_jobs: int = 0
-    active_rows: int = 0
-    completed_rows: int = 0
-    cancelled_rows: int = 0
-    failed_jobs: int = 0
-    steps: int = 0
-    generated_tokens: int = 0
-
-
-_STOP = object()
 R = TypeVar("R")
 
 
-@dataclass
-class _Call:
-    fn: Callable[[], Any]
-    future: Future[Any]
+def _emit(job: Job, event: JobEvent) -> None:
+    """Hand ``event`` to the job's request; a request whose loop is gone is dropped."""
+    try:
+        job.emit(event)
+    except Exception:  # noqa: BLE001 - a closed event loop must not stop the worker
+        log.warning("emit_failed", request_id=job.request_id, event=type(event).__name__)
+
+
+def _settle(call: Call, error: BaseException) -> None:
+    if call.future.set_running_or_notify_cancel():
+        call.future.set_exception(error)
 
 
 class Scheduler:
-    """FIFO admission with a bounded queue; ``submit`` never blocks."""
+    """FIFO admission with a bounded queue; ``submit`` and ``call`` never block."""
+
+    max_overtakes = 32  # later jobs that may join the running batch ahead of a waiting job
 
     def __init__(self, max_queue: int) -> None:
         self._max_queue = max_queue
-        self._queue: queue.Queue[Job | object] = queue.Queue()
-        self._pending: collections.deque[Job | _Call | object] = collections.deque()  # pulled early, still first in line
         self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._waiting: collections.deque[Job | Call] = collections.deque()
+        self._stopping = False
+        self._failure: str | None = None  # why the model thread stopped
+        self._run_now: _Run | None = None
+        self._clock = ServiceClock()
         self.stats = SchedulerStats()
         self._thread = threading.Thread(target=self._worker, name="millm-scheduler", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="millm-scheduler-watchdog", daemon=True)
         self._thread.start()
+        self._watchdog.start()
+
+    # ------------------------------------------------------------------ public
 
     def submit(self, job: Job) -> None:
-        with self._lock:
-            if self.stats.queued >= self._max_queue:
-                raise QueueFull(
-                    f"The request queue is full ({self._max_queue} waiting); retry shortly.",
-                    headers={"Retry-After": "1"},
-                )
-            self.stats.queued += 1
-        self._queue.put(job)
+        """Queue a generation job, or raise :class:`~millm_core.errors.QueueFull` (or a
+        503 when the model thread has stopped)."""
+        job.on_cancel = self._withdraw
+        self._enqueue(job)
 
-    def call(self, fn: Callable[[], R]) -> Future[R]:
-        """Run ``fn`` on the worker thread, between jobs; for model loading and any other
-        tensor work that must not happen on another thread. Not counted against the queue
-        limit."""
+    def call(self, fn: Callable[[], R], *, counted: bool = True) -> Future[R]:
+        """Run ``fn`` on the worker thread, between decode steps, in queue order; for model
+        loading, scoring, embeddings and any other tensor work that must not happen on
+        another thread. It counts against ``--max-queue`` (raises
+        :class:`~millm_core.errors.QueueFull` when full) unless ``counted`` is false.
+        Cancelling the future while it waits takes it out of the queue at once; it never
+        runs."""
         future: Future[R] = Future()
-        self._queue.put(_Call(fn, future))
+        item = Call(fn, future)
+        self._enqueue(item, counted=counted)
+        future.add_done_callback(lambda f: self._withdraw(item) if f.cancelled() else None)
         return future
 
+    @property
+    def healthy(self) -> bool:
+        """False once the model thread has stopped unexpectedly (its requests were failed
+        with a 503); readiness reports it."""
+        return self._failure is None and (self._stopping or self._thread.is_alive())
+
+    @property
+    def failure(self) -> str | None:
+        """Why the model thread stopped, or None while it is healthy."""
+        if self._failure is not None:
+            return self._failure
+        return None if self.healthy else "the model thread is not running"
+
+    def retry_after_s(self, queued: int | None = None) -> int:
+        """Whole seconds (≥ 1) a refused client should wait before retrying: the queue
+        depth (now, or ``queued``) times the recent interval between completions.
+        Non-decreasing in the queue depth."""
+        return self._clock.wait_s(self.stats.queued if queued is None else queued)
+
     def shutdown(self, timeout: float = 5.0) -> None:
-        self._queue.put(_STOP)
-        self._thread.join(timeout)
+        """Stop the worker: waiting jobs and calls get a 503, a running batch stops at
+        its next step."""
+        with self._lock:
+            self._stopping = True
+            left = list(self._waiting)
+            self._waiting.clear()
+            for item in left:
+                item.queued = False
+            self.stats.queued = 0
+            self._wakeup.notify_all()
+        self._fail_items(left, lambda: ServiceUnavailable("The server is shutting down; this request was not run.", code="shutting_down"))
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     def snapshot(self) -> SchedulerStats:
         with self._lock:
             return msgspec.structs.replace(self.stats)
 
+    # ------------------------------------------------------------------ queue
+
+    def _enqueue(self, item: Job | Call, *, counted: bool = True) -> None:
+        with self._lock:
+            if self._failure is not None or not self._thread.is_alive():
+                raise scheduler_down(self._failure or "the model thread is not running")
+            if self._stopping:
+                raise ServiceUnavailable("The server is shutting down; retry on its replacement.", code="shutting_down")
+            if counted and self.stats.queued >= self._max_queue:
+                raise QueueFull(
+                    f"The request queue is full ({self._max_queue} waiting); retry shortly.",
+                    headers={"Retry-After": str(self._clock.wait_s(self.stats.queued))},
+                )
+            item.queued = True
+            self.stats.queued += 1
+            self._waiting.append(item)
+            self._wakeup.notify()
+
+    def _claim(self, item: Job | Call) -> bool:
+        """Take ``item`` out of the queue for the worker; False if it already left."""
+        with self._lock:
+            return self._claim_locked(item)
+
+    def _claim_locked(self, item: Job | Call) -> bool:
+        if not item.queued:
+            return False
+        item.queued = False
+        self._waiting.remove(item)
+        self.stats.queued -= 1
+        return True
+
+    def _withdraw(self, item: Job | Call) -> None:
+        """A job cancelled or a call's future cancelled: out of the queue now, if it is
+        still there (otherwise the worker handles it between steps)."""
+        with self._lock:
+            if not self._claim_locked(item):
+                return
+            if isinstance(item, Job):
+                self.stats.cancelled_rows += len(item.drivers)
+        if isinstance(item, Job):
+            _emit(item, JobDone(cancelled=True))
+
+    def _take(self) -> Job | Call | None:
+        """The oldest waiting item (blocking while none), or None when stopping."""
+        with self._wakeup:
+            idle = False
+            while not self._waiting and not self._stopping:
+                idle = True
+                self._wakeup.wait()
+            if self._stopping:
+                return None
+            item = self._waiting[0]
+            self._claim_locked(item)
+        if idle:
+            self._clock.busy()
+        return item
+
     # ------------------------------------------------------------------ worker
 
-    def _next(self) -> Job | _Call | object:
-        return self._pending.popleft() if self._pending else self._queue.get()
-
     def _worker(self) -> None:
-        while True:
-            item = self._next()
-            if item is _STOP:
-                return
-            if isinstance(item, _Call):
-                self._call(item)
-                continue
-            assert isinstance(item, Job)
-            with self._lock:
-                self.stats.queued -= 1
-            self._run(item)
+        try:
+            while True:
+                item = self._take()
+                if item is None:
+                    return
+                if isinstance(item, Call):
+                    self._call(item)
+                else:
+                    self._run(item)
+        except BaseException as exc:  # noqa: BLE001 - the thread must not die silently
+            log.exception("scheduler_died", error=type(exc).__name__)
+            self._die(f"{type(exc).__name__} on the model thread")
 
-    @staticmethod
-    def _call(item: _Call) -> None:
+    def _watch(self) -> None:
+        """Wait for the worker to end; an end nobody asked for fails what it held."""
+        self._thread.join()
+        if not self._stopping:
+            self._die("the model thread ended")
+
+    def _die(self, reason: str) -> None:
+        """Mark the scheduler unhealthy and fail every waiting and running request with a
+        503. Idempotent: a second call finds nothing left to fail."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = reason
+            failure = self._failure
+            left = list(self._waiting)
+            self._waiting.clear()
+            for item in left:
+                item.queued = False
+            self.stats.queued = 0
+            run, self._run_now = self._run_now, None
+        if run is not None:
+            run.fail_all(scheduler_down(failure))
+        self._fail_items(left, lambda: scheduler_down(failure))
+
+    def _fail_items(self, items: list[Job | Call], error: Callable[[], MillmError]) -> None:
+        for item in items:
+            if isinstance(item, Call):
+                _settle(item, error())
+            else:
+                with self._lock:
+                    self.stats.failed_jobs += 1
+                _emit(item, JobFailed(error()))
+
+    def _call(self, item: Call) -> None:
         if item.future.set_running_or_notify_cancel():
             try:
                 item.future.set_result(item.fn())
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 item.future.set_exception(exc)
+            self._clock.done()
 
-    def _admit(self, engine: Joinable, batch: Any, run: _Run) -> None:
-        """Between steps of a joinable engine's batch: join queued jobs for the same
-        engine while they fit, run queued calls, and stop at the first item that has to
-        wait (it keeps its place: nothing overtakes it)."""
-        while not self._pending:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, _Call):
-                self._call(item)
-                continue
-            if isinstance(item, Job) and item.engine is cast(object, engine) and engine.can_join(item.rows):
-                with self._lock:
-                    self.stats.queued -= 1
-                if item.cancelled.is_set():
-                    self._finish(item, cancelled=True, rows=len(item.drivers))
-                    continue
-                engine.join(batch, item.rows)
-                run.start(item)
-                continue
-            self._pending.append(item)
-
-    def _finish(self, job: Job, *, cancelled: bool, rows: int = 0) -> None:
+    def _admit(self, run: _Run, joinable: Joinable | None, batch: Any) -> None:
+        """Between steps: run waiting calls and join waiting jobs for this engine that fit
+        (when the engine is joinable), in queue order. A job that has to wait keeps its
+        place without holding back the jobs behind it, until it has been overtaken
+        :attr:`max_overtakes` times: then no later job joins, and the batch drains."""
         with self._lock:
-            if cancelled:
-                self.stats.cancelled_rows += rows
-        job.emit(JobDone(cancelled=cancelled))
+            waiting = list(self._waiting)
+        blocked: list[Job] = []
+        starving = False  # a blocked job was overtaken enough: nothing joins ahead of it
+        for item in waiting:
+            if isinstance(item, Call):
+                if self._claim(item):
+                    self._call(item)
+                continue
+            if starving or joinable is None or item.engine is not cast(object, joinable) or not joinable.can_join(item.rows):
+                blocked.append(item)
+                starving = starving or item.overtaken >= self.max_overtakes
+                continue
+            if not self._claim(item):
+                continue  # cancelled meanwhile: _withdraw ended it
+            try:
+                joinable.join(batch, item.rows)
+            except Exception as exc:  # noqa: BLE001 - this job's error, not the batch's
+                log.exception("join_failed", request_id=item.request_id)
+                with self._lock:
+                    self.stats.failed_jobs += 1
+                _emit(item, JobFailed(exc))
+                continue
+            for job in blocked:
+                job.overtaken += 1
+                starving = starving or job.overtaken >= self.max_overtakes
+            run.start(item)
 
     def _run(self, first: Job) -> None:
         """Step one batch until every row in it is done: ``first``'s rows, and on a
         :class:`~millm_core.engine.Joinable` engine the rows of jobs that join it."""
         engine = first.engine
         if first.cancelled.is_set():
-            self._finish(first, cancelled=True, rows=len(first.drivers))
+            with self._lock:
+                self.stats.cancelled_rows += len(first.drivers)
+            _emit(first, JobDone(cancelled=True))
             return
         run = _Run(self)
+        self._run_now = run
         batch = None
         run.start(first)  # before open_batch: a batch that cannot open fails this job, never strands it
         try:
             batch = engine.open_batch(first.rows)
             joinable = engine if isinstance(engine, Joinable) else None
             while run.slots:
+                if self._stopping:
+                    run.fail_all(ServiceUnavailable("The server is shutting down; this request was stopped.", code="shutting_down"))
+                    break
                 for job in run.cancelled_jobs():
                     keep = run.drop(job)
                     if run.slots:
                         engine.retain(batch, keep)
                 if not run.slots:
                     break
-                if joinable is not None:
-                    self._admit(joinable, batch, run)
-                slots = run.slots
-                tokens = engine.step(batch, [job.drivers[i].bias() for job, i in slots])
+                if self._waiting:
+                    self._admit(run, joinable, batch)
+                biases = run.biases()
+                try:
+                    tokens = engine.step(batch, biases)
+                except RowsFailed as partial:
+                    tokens = partial.tokens
+                    run.fail_rows(partial.errors)
                 keep = run.accept(tokens)
-                if len(keep) < len(slots) and run.slots:
+                if len(keep) < len(tokens) and run.slots:
                     engine.retain(batch, keep)
-        except BaseException as exc:  # noqa: BLE001 - delivered to every request in the batch, logged
+        except Exception as exc:  # noqa: BLE001 - delivered to every request in the batch, logged
             log.exception("batch_failed", request_ids=[j.request_id for j in run.jobs])
-            run.fail(exc)
+            run.fail_all(exc)
         finally:
             if batch is not None:
                 engine.close(batch)
             with self._lock:
                 self.stats.active_rows = 0
+        self._run_now = None  # not on a BaseException: _die fails the run's jobs
 
 
 class _Run:
@@ -237,8 +367,11 @@ class _Run:
         self.scheduler = scheduler
         self.slots: list[tuple[Job, int]] = []
         self.jobs: list[Job] = []
-        self.live: dict[int, int] = {}  # id(job) -> live rows
-        self.started: dict[int, float] = {}
+        self.live: dict[Job, int] = {}  # job -> live rows
+        self.started: dict[Job, float] = {}
+        # Jobs failed in the current step (a processor's bias, a row the engine reported):
+        # their rows are stepped once more, then dropped with the step's finished rows.
+        self.failing: dict[Job, BaseException] = {}
 
     def _stats(self) -> SchedulerStats:
         return self.scheduler.stats
@@ -246,20 +379,23 @@ class _Run:
     def start(self, job: Job) -> None:
         self.jobs.append(job)
         self.slots.extend((job, i) for i in range(len(job.drivers)))
-        self.live[id(job)] = len(job.drivers)
-        self.started[id(job)] = time.perf_counter()
+        self.live[job] = len(job.drivers)
+        self.started[job] = time.perf_counter()
         with self.scheduler._lock:
             self._stats().running_jobs += 1
             self._stats().active_rows = len(self.slots)
 
-    def _end(self, job: Job, cancelled: bool) -> None:
+    def _end(self, job: Job, event: JobEvent) -> None:
         self.jobs.remove(job)
-        self.live.pop(id(job), None)
+        self.live.pop(job, None)
         with self.scheduler._lock:
             self._stats().running_jobs -= 1
-        seconds = round(time.perf_counter() - self.started.pop(id(job)), 4)
-        log.debug("job_done", request_id=job.request_id, rows=len(job.drivers), cancelled=cancelled, seconds=seconds)
-        job.emit(JobDone(cancelled=cancelled))
+            if isinstance(event, JobFailed):
+                self._stats().failed_jobs += 1
+        seconds = round(time.perf_counter() - self.started.pop(job), 4)
+        log.debug("job_done", request_id=job.request_id, rows=len(job.drivers), outcome=type(event).__name__, seconds=seconds)
+        self.scheduler._clock.done()
+        _emit(job, event)
 
     def cancelled_jobs(self) -> list[Job]:
         return [job for job in self.jobs if job.cancelled.is_set()]
@@ -274,49 +410,82 @@ class _Run:
         with self.scheduler._lock:
             self._stats().cancelled_rows += len(dropped)
             self._stats().active_rows = len(self.slots)
-        self._end(job, cancelled=True)
+        self._end(job, JobDone(cancelled=True))
         return keep
+
+    def biases(self) -> list[Any]:
+        """Each row's logit bias for the next step. A processor that raises fails its own
+        job (its rows step once more without a bias and are then dropped)."""
+        out: list[Any] = []
+        for job, i in self.slots:
+            try:
+                out.append(job.drivers[i].bias())
+            except Exception as exc:  # noqa: BLE001 - this row's request fails, not the batch
+                self._row_failed(job, i, exc)
+                out.append(None)
+        return out
+
+    def _row_failed(self, job: Job, row: int, exc: BaseException) -> None:
+        if job not in self.failing:
+            log.error("row_failed", request_id=job.request_id, row=row, exc_info=exc)
+            self.failing[job] = row_error(exc)
+
+    def fail_rows(self, errors: dict[int, BaseException]) -> None:
+        """Rows at these positions failed in the engine's step (:class:`RowsFailed`)."""
+        for pos, exc in errors.items():
+            job, i = self.slots[pos]
+            if job not in self.failing:
+                log.error("row_failed", request_id=job.request_id, row=i, error=type(exc).__name__)
+                self.failing[job] = exc
 
     def accept(self, tokens: list[int]) -> list[int]:
         """Hand one step's tokens to the rows' drivers, emit each job's events, end the
-        jobs whose rows all finished; returns the positions of the rows that go on."""
-        per_job: dict[int, list[RowEvent]] = {}
+        jobs whose rows all finished and the jobs that failed; returns the positions of
+        the rows that go on."""
+        per_job: dict[Job, list[RowEvent]] = {}
         keep: list[int] = []
+        finished = 0
+        failing = self.failing
         for pos, ((job, i), token) in enumerate(zip(self.slots, tokens, strict=True)):
-            event = job.drivers[i].accept(token)
-            per_job.setdefault(id(job), []).append(event)
+            if failing and job in failing:
+                continue
+            try:
+                event = job.drivers[i].accept(token)
+            except Exception as exc:  # noqa: BLE001 - this row's request fails, not the batch
+                self._row_failed(job, i, exc)
+                continue
+            per_job.setdefault(job, []).append(event)
             if event.finish_reason is None:
                 keep.append(pos)
             else:
-                self.live[id(job)] -= 1
-        finished = len(self.slots) - len(keep)
+                self.live[job] -= 1
+                finished += 1
+        if failing:  # rows of a job that failed at this step's later rows
+            keep = [p for p in keep if self.slots[p][0] not in failing]
         with self.scheduler._lock:
             stats = self._stats()
             stats.steps += 1
             stats.generated_tokens += len(self.slots)
             stats.completed_rows += finished
             stats.active_rows = len(keep)
+        if failing:
+            self.failing = {}
+            for job, error in failing.items():
+                per_job.pop(job, None)
+                self._end(job, JobFailed(error))
         for job in list(self.jobs):
-            if id(job) in per_job:
-                job.emit(StepEvents(per_job[id(job)]))
+            if job in per_job:
+                _emit(job, StepEvents(per_job[job]))
         self.slots = [self.slots[p] for p in keep]
-        for job in [j for j in self.jobs if self.live.get(id(j)) == 0]:
-            self._end(job, cancelled=False)
+        for job in [j for j in self.jobs if self.live.get(j) == 0]:
+            self._end(job, JobDone(cancelled=False))
         return keep
 
-    def fail(self, error: BaseException) -> None:
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every job still in the batch with ``error``."""
+        jobs, self.jobs, self.slots, self.failing = self.jobs, [], [], {}
         with self.scheduler._lock:
-            self._stats().failed_jobs += len(self.jobs)
-            self._stats().running_jobs -= len(self.jobs)
-        for job in self.jobs:
-            job.emit(JobFailed(error))
-        self.jobs, self.slots = [], []
-
-
-def threadsafe_emitter(loop: asyncio.AbstractEventLoop, sink: asyncio.Queue[JobEvent]) -> Callable[[JobEvent], None]:
-    """An ``emit`` callback that hands events from the worker thread to ``sink``."""
-
-    def emit(event: JobEvent) -> None:
-        loop.call_soon_threadsafe(sink.put_nowait, event)
-
-    return emit
+            self._stats().failed_jobs += len(jobs)
+            self._stats().running_jobs -= len(jobs)
+        for job in jobs:
+            _emit(job, JobFailed(error))

@@ -111,3 +111,90 @@ class GatePlugin:
 
 def row_info_ok(row: RowInfo) -> bool:
     return row.index >= 0
+
+
+class WorkerKiller(BaseException):
+    """Not an ``Exception``: escapes every per-row and per-batch handler, so it stops the
+    scheduler's worker thread (to test the watchdog)."""
+
+
+FAULT_HEADER = "x-test-fault"
+
+
+class _Fault:
+    """One row's fault, chosen by the request's ``X-Test-Fault`` header."""
+
+    def __init__(self, plugin: FaultPlugin, mode: str, arg: float) -> None:
+        self.plugin = plugin
+        self.mode = mode
+        self.arg = arg
+        self.tokens = 0
+
+    def logit_bias(self) -> dict[int, float] | None:
+        if self.mode == "bias-raise" and self.tokens >= self.arg:
+            raise RuntimeError("logit_bias exploded on purpose")
+        if self.mode == "bad-bias" and self.tokens >= self.arg:
+            return {10**9: 1.0}  # outside any vocabulary: the engine's step raises for the whole batch
+        return None
+
+    def on_token(self, token_id: int, text: str) -> tuple[str, bool]:
+        self.tokens += 1
+        if self.mode == "raise" and self.tokens > self.arg:
+            raise RuntimeError("processor exploded on purpose")
+        if self.mode == "fatal" and self.tokens > self.arg:
+            raise WorkerKiller("the worker thread is killed on purpose")
+        if self.mode == "gate":
+            self.plugin.entered.set()
+            self.plugin.gate.wait(30)
+        if self.mode == "slow":
+            threading.Event().wait(self.arg)
+        return text, False
+
+    def flush(self) -> str:
+        return ""
+
+
+class FaultPlugin:
+    """Faults for one request at a time, chosen per request by the ``X-Test-Fault``
+    header ``mode[:arg]``: ``raise:N`` (on_token raises after N tokens), ``bias-raise:N``
+    (logit_bias raises after N tokens), ``bad-bias:N`` (an out-of-vocabulary bias after N
+    tokens: the whole step raises), ``fatal:N`` (a BaseException after N tokens: the
+    worker thread dies), ``bad-join`` (a steering delta on a layer the model lacks: the
+    engine refuses the rows in ``open_batch``/``join``), ``gate`` (each token waits for
+    ``gate``, holding the worker; ``entered`` is set once it waits), ``slow:S`` (S seconds
+    a token). Requests without the header run untouched."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    @hookimpl
+    def millm_pre_forward(self, ctx: Any, request: Any, plan: ForwardPlan) -> None:
+        raw = ctx.headers.get(FAULT_HEADER)
+        if not raw:
+            return
+        mode, _, arg = raw.partition(":")
+        if mode == "bad-join":
+            plan.deltas[10**6] = (0.0,)
+            return
+        value = float(arg or 0)
+        plan.add_processor(lambda _row: _Fault(self, mode, value))
+
+
+def scheduler_stats(base_url: str) -> dict[str, Any]:
+    """The server's scheduler counters (``GET /api/health/inference``)."""
+    import httpx
+
+    return dict(httpx.get(base_url + "/api/health/inference").json()["scheduler"])
+
+
+def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds pass."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False

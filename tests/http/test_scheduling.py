@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import openai
@@ -12,22 +11,13 @@ import pytest
 from millm_core.config import load_settings
 from millm_core.server.app import build_host
 
-from .helpers import GatePlugin
+from .helpers import GatePlugin, scheduler_stats, wait_until
 
 MESSAGES = [{"role": "user", "content": "go"}]
 
 
-def _stats(base_url: str) -> dict:  # type: ignore[type-arg]
-    return httpx.get(base_url + "/api/health/inference").json()["scheduler"]
-
-
-def _wait(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
+_stats = scheduler_stats
+_wait = wait_until
 
 
 def test_disconnect_frees_the_row(make_server) -> None:  # type: ignore[no-untyped-def]
@@ -69,7 +59,7 @@ def test_queue_full_is_503_with_retry_after(make_server) -> None:  # type: ignor
         refused = httpx.post(srv.base_url + "/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES})
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "queue_full"
-        assert refused.headers["retry-after"] == "1"
+        assert int(refused.headers["retry-after"]) >= 1  # estimated from service times and the queue
         gate.gate.set()
         running.join(20)
         waiting.join(20)

@@ -8,7 +8,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from ...builtin import STRUCTURAL_FIELDS
 from ...codec import encode
 from ...engine import Joinable
-from ...errors import ModelNotLoaded
+from ...errors import ModelNotLoaded, ServiceUnavailable
 from ...fields import policy_table
 from .common import app_state
 
@@ -19,6 +19,9 @@ async def health(request: Request) -> Response:
 
 async def ready(request: Request) -> Response:
     state = app_state(request)
+    if not state.scheduler.healthy:
+        # The model thread stopped: every request would fail, so the server is not ready.
+        raise ServiceUnavailable(f"The model thread stopped: {state.scheduler.failure}", code="scheduler_unavailable")
     if not len(state.models):
         reason = state.load_error or ("loading" if state.loading else "no model")
         raise ModelNotLoaded(f"No model is loaded ({reason})")
@@ -46,4 +49,6 @@ async def inference(request: Request) -> Response:
     state = app_state(request)
     # "batched": concurrent requests share decode steps (a Joinable engine); "serial": one request's rows per step.
     backend = "batched" if any(isinstance(m.engine, Joinable) for m in state.models) else "serial"
-    return Response(encode({"backend": backend, "scheduler": state.scheduler.snapshot()}), media_type="application/json")
+    scheduler = state.scheduler
+    body = {"backend": backend, "healthy": scheduler.healthy, "failure": scheduler.failure, "scheduler": scheduler.snapshot()}
+    return Response(encode(body), media_type="application/json")
