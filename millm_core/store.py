@@ -5,6 +5,12 @@ calls :meth:`Store.migrate` with its own namespace and an append-only tuple of S
 statements, and the store runs the ones not yet applied (the namespace's applied count is
 its schema version). The core itself defines no tables beyond that bookkeeping. The
 connection is owned by the app's lifespan; each call is a short transaction.
+
+Another process may hold the database's write lock (a second server on the same file). A
+call waits at most ``BUSY_TIMEOUT_S`` for it, then raises :class:`DatabaseBusy` (503
+``database_busy`` with ``Retry-After``); SQLite says so by its error code (SQLITE_BUSY or
+SQLITE_LOCKED), never by message text. Reads use their own connection, so in WAL mode they
+never wait behind a write, ours or another process's.
 """
 
 from __future__ import annotations
@@ -14,6 +20,28 @@ import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+
+from .errors import DatabaseBusy
+
+BUSY_TIMEOUT_S = 0.25
+"""How long a call waits for a lock another connection holds before ``database_busy``."""
+STARTUP_WAIT_S = 10.0
+"""How long opening the database and running migrations wait (start-up, not a request)."""
+RETRY_AFTER_S = 1
+
+
+@contextmanager
+def _busy_is_503(path: str) -> Iterator[None]:
+    try:
+        yield
+    except sqlite3.OperationalError as exc:
+        # Extended codes (SQLITE_BUSY_SNAPSHOT, …) keep the primary code in the low byte.
+        if (exc.sqlite_errorcode & 0xFF) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+            raise DatabaseBusy(
+                f"the database {path!r} is locked by another connection (another server on the same file?); retry shortly",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from exc
+        raise
 
 
 def default_db_path() -> str:
@@ -29,9 +57,16 @@ class Store:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
         self._lock = threading.Lock()
-        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._conn = sqlite3.connect(path, timeout=STARTUP_WAIT_S, check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA journal_mode=WAL" if path != ":memory:" else "PRAGMA journal_mode=MEMORY")
         self._conn.execute("CREATE TABLE IF NOT EXISTS migrations (namespace TEXT PRIMARY KEY, version INTEGER NOT NULL)")
+        self._wait(BUSY_TIMEOUT_S)
+        # A second connection for reads (a file database only: ":memory:" is per connection).
+        self._read_lock = self._lock if path == ":memory:" else threading.Lock()
+        self._reader = self._conn if path == ":memory:" else sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, check_same_thread=False, isolation_level=None)
+
+    def _wait(self, seconds: float) -> None:
+        self._conn.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
 
     def version(self, namespace: str) -> int:
         """How many of ``namespace``'s migrations have been applied."""
@@ -41,7 +76,7 @@ class Store:
     def migrate(self, namespace: str, migrations: Sequence[str]) -> None:
         """Apply ``namespace``'s migrations that have not run yet, in order, in one
         transaction. ``migrations`` is append-only: never edit a released statement."""
-        with self.transaction() as conn:
+        with self.transaction(wait=STARTUP_WAIT_S) as conn:
             row = conn.execute("SELECT version FROM migrations WHERE namespace = ?", (namespace,)).fetchone()
             current = int(row[0]) if row else 0
             if current > len(migrations):
@@ -54,20 +89,32 @@ class Store:
             )
 
     @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
+    def transaction(self, *, wait: float | None = None) -> Iterator[sqlite3.Connection]:
+        """One write transaction: everything in the block commits together or not at all.
+        ``wait`` overrides how long it waits for another connection's lock (start-up work)."""
+        with self._lock, _busy_is_503(self.path):
+            if wait is not None:
+                self._wait(wait)
             try:
-                yield self._conn
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._conn
+                    self._conn.execute("COMMIT")
+                except BaseException:
+                    if self._conn.in_transaction:
+                        self._conn.execute("ROLLBACK")
+                    raise
+            finally:
+                if wait is not None:
+                    self._wait(BUSY_TIMEOUT_S)
 
     def query(self, sql: str, args: Sequence[object] = ()) -> list[tuple[object, ...]]:
-        with self._lock:
-            return list(self._conn.execute(sql, args).fetchall())
+        with self._read_lock, _busy_is_503(self.path):
+            return list(self._reader.execute(sql, args).fetchall())
 
     def close(self) -> None:
         with self._lock:
+            if self._reader is not self._conn:
+                with self._read_lock:
+                    self._reader.close()
             self._conn.close()

@@ -1,11 +1,15 @@
 """The steering management API, part 1: SAEs (``/api/saes``) and the live manual values
 (``/api/steering``). Errors use the ``/v1`` error shape and statuses.
 
-Every write to the live state (attach, detach, manual values) moves the steering epoch.
+Every write to the live state (attach, detach, manual values) moves the steering epoch,
+and is persisted before it takes effect (see :mod:`.registry`). Blocking work (SAE files,
+SQLite, ``sae.encode``) runs off the event loop; model code runs on the model thread.
 """
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -30,9 +34,10 @@ from millm_core.api import (
 
 from .apply import Dials, plan_for, report
 from .inline import Feature
+from .live import Live
 from .profiles import check_features
 from .registry import SteeringState
-from .sae import SAE
+from .sae import SAE, SAEFormatError
 
 STATE = StashKey[SteeringState]("steering.state")
 
@@ -62,13 +67,17 @@ class AttachSAE(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class SAEInfo(msgspec.Struct, kw_only=True):
-    """An SAE as the API reports it."""
+    """An SAE as the API reports it. ``status`` is ``"unreadable"`` (with the ``reason``,
+    and no shape) when its files can no longer be read; it can still be detached and
+    deleted."""
 
     id: str
     path: str
-    architecture: str
-    d_in: int
-    d_sae: int
+    status: str = "ok"
+    reason: str | None = None
+    architecture: str | None
+    d_in: int | None
+    d_sae: int | None
     attached_layers: list[int]
 
 
@@ -133,14 +142,27 @@ class ActiveProfile(msgspec.Struct, kw_only=True):
     layer: int
 
 
+class UnusableAttachment(msgspec.Struct, kw_only=True):
+    """An attachment that is kept but not applied: ``reason`` is ``sae_unreadable``,
+    ``width_mismatch``, ``layer_out_of_range`` or ``not_steerable``."""
+
+    sae_id: str
+    layer: int
+    reason: str
+    message: str
+
+
 class LiveState(msgspec.Struct, kw_only=True):
-    """``GET /api/steering``: what a request with no steering fields runs with now."""
+    """``GET /api/steering``: what a request with no steering fields runs with now.
+    ``unusable`` lists the attachments that cannot be applied (a request that would need
+    one reports ``unknown;reason=claims_unreadable``)."""
 
     epoch: int
     attached: list[tuple[str, int]]
     manual: list[ManualEntry]
     active_profile: ActiveProfile | None
     steering: str  # the X-miLLM-Steering value such a request would report
+    unusable: list[UnusableAttachment]
 
 
 def state_of(app: AppContext) -> SteeringState:
@@ -164,28 +186,41 @@ def _info(state: SteeringState, sae_id: str, path: str, sae: SAE) -> SAEInfo:
     return SAEInfo(id=sae_id, path=path, architecture=sae.architecture, d_in=sae.d_in, d_sae=sae.d_sae, attached_layers=state.layers_of(sae_id))
 
 
+def describe(state: SteeringState, sae_id: str, path: str) -> SAEInfo:
+    """The SAE as listed, or ``unreadable`` with the reason (blocking: loads its files)."""
+    try:
+        return _info(state, sae_id, path, state.get(sae_id))
+    except SAEFormatError as exc:
+        return SAEInfo(id=sae_id, path=path, status="unreadable", reason=exc.message, architecture=None, d_in=None, d_sae=None, attached_layers=state.layers_of(sae_id))
+
+
 async def register_sae(request: Request) -> Response:
     body = await body_of(request, RegisterSAE)
     state = steering_state(request)
-    sae_id, sae = state.register(body.path, body.id)
+    sae_id, sae = await asyncio.to_thread(state.register, body.path, body.id)
     return json_response(_info(state, sae_id, body.path, sae), status=201)
 
 
 async def list_saes(request: Request) -> Response:
     state = steering_state(request)
-    return json_response(SAEList(data=[_info(state, i, p, state.get(i)) for i, p in state.registered()]))
+
+    def listing() -> SAEList:
+        return SAEList(data=[describe(state, i, p) for i, p in state.registered()])
+
+    return json_response(await asyncio.to_thread(listing))
+
+
+async def _described(state: SteeringState, sae_id: str) -> SAEInfo:
+    return await asyncio.to_thread(lambda: describe(state, sae_id, state.path_of(sae_id)))
 
 
 async def get_sae(request: Request) -> Response:
-    state = steering_state(request)
-    sae_id = request.path_params["sae_id"]
-    sae = state.get(sae_id)
-    return json_response(_info(state, sae_id, sae.path, sae))
+    return json_response(await _described(steering_state(request), request.path_params["sae_id"]))
 
 
 async def delete_sae(request: Request) -> Response:
     state = steering_state(request)
-    state.delete(request.path_params["sae_id"])
+    await state.delete(request.path_params["sae_id"])
     return json_response(SAEDeleted(id=request.path_params["sae_id"], deleted=True))
 
 
@@ -200,8 +235,8 @@ async def attach_sae(request: Request) -> Response:
     if body.layer is None:
         raise InvalidRequest("attach needs a layer", param="layer")
     sae_id = request.path_params["sae_id"]
-    state.attach(sae_id, body.layer, model.info.d_model, model.info.n_layers)
-    sae = state.get(sae_id)
+    await state.attach(sae_id, body.layer, model.info)
+    sae = await state.sae(sae_id)
     return json_response(_info(state, sae_id, sae.path, sae))
 
 
@@ -209,10 +244,16 @@ async def detach_sae(request: Request) -> Response:
     body = await body_of(request, AttachSAE)
     state = steering_state(request)
     sae_id = request.path_params["sae_id"]
-    sae = state.get(sae_id)
-    removed = state.detach(sae_id, body.layer)
-    info = _info(state, sae_id, sae.path, sae)
+    await asyncio.to_thread(state.path_of, sae_id)  # 404 for an unknown SAE; an unreadable one detaches
+    removed = await state.detach(sae_id, body.layer)
+    info = await _described(state, sae_id)
     return json_response(SAEDetached(**msgspec.structs.asdict(info), detached=removed))
+
+
+def _top_features(sae: SAE, residual: Any, top_k: int) -> tuple[Any, list[int]]:
+    acts = sae.encode(residual)
+    peak = acts.max(0)
+    return acts, [int(i) for i in np.argsort(-peak, kind="stable")[:top_k] if peak[i] > 0]
 
 
 async def features(request: Request) -> Response:
@@ -220,8 +261,10 @@ async def features(request: Request) -> Response:
     body = await body_of(request, FeatureQuery)
     state, app = steering_state(request), app_context(request)
     sae_id = request.path_params["sae_id"]
-    sae = state.get(sae_id)
-    _, layer = state.entry(sae_id, body.layer)
+    sae = await state.sae(sae_id)
+    entry = state.entry(sae_id, body.layer)
+    state.usable(entry)
+    layer = entry[1]
     if not 1 <= body.top_k <= 100:
         raise InvalidRequest("top_k must be 1–100", param="top_k")
     model = next(iter(app.models), None)
@@ -230,16 +273,14 @@ async def features(request: Request) -> Response:
     engine = model.engine
     if not isinstance(engine, ResidualReader):
         raise FieldNotHonoured(f"the {model.info.engine} engine cannot read residuals", param="text")
-    ids = engine.encode(body.text, add_special_tokens=False)
+    ids = await app.run_model(lambda: engine.encode(body.text, add_special_tokens=False))
     if not ids:
         raise InvalidRequest("text has no tokens", param="text")
     if len(ids) > model.info.context_length:
         raise InvalidRequest(f"text is {len(ids)} tokens; the model reads at most {model.info.context_length}", code="context_length_exceeded", param="text")
     residual = await app.run_model(lambda: engine.residuals([ids], layer)[0])
-    acts = sae.encode(residual)
-    peak = acts.max(0)
-    order = [int(i) for i in np.argsort(-peak, kind="stable")[: body.top_k] if peak[i] > 0]
-    hits = [FeatureHit(index=i, max=float(peak[i]), mean=float(acts[:, i].mean()), token=engine.decode([ids[int(acts[:, i].argmax())]])) for i in order]
+    acts, order = await asyncio.to_thread(_top_features, sae, residual, body.top_k)
+    hits = [FeatureHit(index=i, max=float(acts[:, i].max()), mean=float(acts[:, i].mean()), token=engine.decode([ids[int(acts[:, i].argmax())]])) for i in order]
     return json_response(FeatureReport(sae_id=sae_id, layer=layer, tokens=len(ids), features=hits))
 
 
@@ -249,16 +290,23 @@ class _NoFields:
     steering = profile = steering_intensity = None
 
 
-def live_state(request: Request) -> LiveState:
-    state, app = steering_state(request), app_context(request)
-    manual = [ManualEntry(sae_id=s, layer=layer, features=[Feature(index=i, strength=v) for i, v in sorted(values.items())]) for (s, layer), values in state.manual.items()]
-    active = ActiveProfile(name=state.active[0], sae_id=state.active[1][0], layer=state.active[1][1]) if state.active else None
-    value = report(plan_for(_NoFields(), state, state.book, dials_of(app)), changed=False)
-    return LiveState(epoch=state.epoch, attached=list(state.attachments), manual=manual, active_profile=active, steering=value)
+def live_state(state: SteeringState, dials: Dials, live: Live) -> LiveState:
+    """The live state ``live`` as reported (blocking: reads the active profile)."""
+    manual = [ManualEntry(sae_id=s, layer=layer, features=[Feature(index=i, strength=v) for i, v in sorted(values.items())]) for (s, layer), values in live.manual.items()]
+    active = ActiveProfile(name=live.active[0], sae_id=live.active[1][0], layer=live.active[1][1]) if live.active else None
+    value = report(plan_for(_NoFields(), state, state.book, dials, live), changed=False)
+    unusable = [UnusableAttachment(sae_id=s, layer=layer, reason=u.reason, message=u.message) for (s, layer), u in live.unusable.items()]
+    return LiveState(epoch=live.epoch, attached=list(live.attachments), manual=manual, active_profile=active, steering=value, unusable=unusable)
+
+
+async def live_response(request: Request) -> Response:
+    """``GET /api/steering``'s body for the state now (read off the event loop)."""
+    state = steering_state(request)
+    return json_response(await asyncio.to_thread(live_state, state, dials_of(app_context(request)), state.live))
 
 
 async def get_steering(request: Request) -> Response:
-    return json_response(live_state(request))
+    return await live_response(request)
 
 
 async def put_steering(request: Request) -> Response:
@@ -270,37 +318,41 @@ async def put_steering(request: Request) -> Response:
         if len(saes) != 1:
             raise InvalidRequest(f"name the SAE with sae_id: {len(saes)} SAEs are attached {saes}", param="sae_id")
         sae_id = saes[0]
-    entry = state.entry(sae_id, body.layer)
-    check_features(body.features, state.get(sae_id).d_sae)
-    if body.features:
-        state.manual[entry] = {f.index: f.strength for f in body.features}
-    else:
-        state.manual.pop(entry, None)
-    if state.active is not None and state.active[1] == entry:
-        state.active = None  # the operator's latest write wins the entry the profile held
-    state.bump()
-    return json_response(live_state(request))
+    sae = await state.sae(sae_id)
+
+    def change(live: Live) -> Live:
+        entry = state.entry(sae_id, body.layer)
+        state.usable(entry)
+        check_features(body.features, sae.d_sae)
+        manual = {e: v for e, v in live.manual.items() if e != entry}
+        if body.features:
+            manual = {**live.manual, entry: {f.index: f.strength for f in body.features}}
+        # The operator's latest write wins the entry the active profile held.
+        active = None if live.active is not None and live.active[1] == entry else live.active
+        return replace(live, manual=manual, active=active)
+
+    await state.commit(change)
+    return await live_response(request)
 
 
 async def delete_steering(request: Request) -> Response:
-    state = steering_state(request)
-    state.manual.clear()
-    state.active = None
-    state.bump()
-    return json_response(live_state(request))
+    await steering_state(request).commit(lambda live: replace(live, manual={}, active=None))
+    return await live_response(request)
 
 
 Route = tuple[str, Any, list[str], RouteDoc]
 
+# A write may also be refused with 503 database_busy (another connection holds the lock).
+WRITE = ("400", "404", "503")
 ROUTES: tuple[Route, ...] = (
-    ("/api/saes", register_sae, ["POST"], RouteDoc("Register an SAE from local files", RegisterSAE, SAEInfo, 201, ("400", "409"))),
+    ("/api/saes", register_sae, ["POST"], RouteDoc("Register an SAE from local files", RegisterSAE, SAEInfo, 201, ("400", "409", "503"))),
     ("/api/saes", list_saes, ["GET"], RouteDoc("Registered SAEs", response=SAEList, errors=())),
     ("/api/saes/{sae_id}", get_sae, ["GET"], RouteDoc("One SAE", response=SAEInfo, errors=("404",))),
-    ("/api/saes/{sae_id}", delete_sae, ["DELETE"], RouteDoc("Forget an SAE (detaching it everywhere)", response=SAEDeleted, errors=("404",))),
+    ("/api/saes/{sae_id}", delete_sae, ["DELETE"], RouteDoc("Forget an SAE (detaching it everywhere)", response=SAEDeleted, errors=("404", "503"))),
     ("/api/saes/{sae_id}/attach", attach_sae, ["POST"], RouteDoc("Attach at a decoder block's output", AttachSAE, SAEInfo, errors=("400", "404", "503"))),
-    ("/api/saes/{sae_id}/detach", detach_sae, ["POST"], RouteDoc("Detach (at one layer, or all)", AttachSAE, SAEDetached)),
-    ("/api/saes/{sae_id}/features", features, ["POST"], RouteDoc("The SAE's strongest features on a text", FeatureQuery, FeatureReport, errors=("400", "404", "503"))),
+    ("/api/saes/{sae_id}/detach", detach_sae, ["POST"], RouteDoc("Detach (at one layer, or all)", AttachSAE, SAEDetached, errors=WRITE)),
+    ("/api/saes/{sae_id}/features", features, ["POST"], RouteDoc("The SAE's strongest features on a text", FeatureQuery, FeatureReport, errors=("400", "404", "409", "503"))),
     ("/api/steering", get_steering, ["GET"], RouteDoc("The live steering state", response=LiveState, errors=())),
-    ("/api/steering", put_steering, ["PUT"], RouteDoc("Set the manual values of one attached SAE", ManualValues, LiveState)),
-    ("/api/steering", delete_steering, ["DELETE"], RouteDoc("Clear manual values and deactivate the active profile", response=LiveState, errors=())),
+    ("/api/steering", put_steering, ["PUT"], RouteDoc("Set the manual values of one attached SAE", ManualValues, LiveState, errors=(*WRITE, "409"))),
+    ("/api/steering", delete_steering, ["DELETE"], RouteDoc("Clear manual values and deactivate the active profile", response=LiveState, errors=("503",))),
 )

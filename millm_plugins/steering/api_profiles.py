@@ -1,13 +1,16 @@
 """The steering management API, part 2: profiles (``/api/profiles``) and imported
 clusters with their intensity dial (``/api/clusters``).
 
-Profiles and clusters persist in the database; which one is active is the running server's
-state. Activating, deactivating, deleting the active one and turning an active cluster's
-dial move the steering epoch.
+Profiles, clusters and which one is active persist in the database. Activating,
+deactivating, deleting the active one and turning an active cluster's dial move the
+steering epoch. An import writes all of its profiles in one transaction. SQLite and SAE
+files are read off the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -16,21 +19,22 @@ from starlette.responses import Response
 
 from millm_core.api import InvalidRequest, MillmError, NotFound, RouteDoc, app_context, convert
 
-from .api import LiveState, Route, body_of, dials_of, json_response, live_state, steering_state
+from .api import WRITE, LiveState, Route, body_of, dials_of, json_response, live_response, steering_state
 from .apply import profile_entry
 from .inline import Feature, SAENotAttached
 from .intensity import bounds
+from .live import Live
 from .profiles import (
     EXPORT_FORMAT,
     ClusterDocument,
     Dial,
     Profile,
-    ProfileExists,
     ProfileExport,
     check_dial,
     check_features,
     check_name,
     cluster_profile,
+    with_intensity,
 )
 from .registry import SteeringState
 
@@ -97,31 +101,42 @@ def _replace(request: Request) -> bool:
     return request.query_params.get("replace", "false").lower() in ("1", "true", "yes")
 
 
-def _activate(request: Request, profile: Profile) -> Response:
+async def _activate(request: Request, profile: Profile) -> Response:
     state = steering_state(request)
-    profile_entry(profile, "active", None, state, dials_of(app_context(request)))  # refuses what could not apply
+    dials = dials_of(app_context(request))
     entry = (profile.sae_id, profile.layer)
-    state.manual.pop(entry, None)  # the profile claims its entry
-    state.active = (profile.name, entry)
-    state.bump()
-    return json_response(live_state(request))
+
+    def change(live: Live) -> Live:
+        profile_entry(profile, "active", None, state, dials, live)  # refuses what could not apply
+        manual = {e: v for e, v in live.manual.items() if e != entry}  # the profile claims its entry
+        return replace(live, manual=manual, active=(profile.name, entry))
+
+    await state.commit(change)
+    return await live_response(request)
 
 
-def _deactivate(request: Request, only: str | None = None) -> Response:
+async def _deactivate(request: Request, only: str | None = None) -> Response:
+    def change(live: Live) -> Live | None:
+        return replace(live, active=None) if live.active is not None and (only is None or live.active[0] == only) else None
+
+    await steering_state(request).commit(change)
+    return await live_response(request)
+
+
+async def _delete(request: Request, name: str) -> Response:
+    """Delete the profile, deactivating it if it is active (one transaction)."""
     state = steering_state(request)
-    if state.active is not None and (only is None or state.active[0] == only):
-        state.active = None
-        state.bump()
-    return json_response(live_state(request))
+    await asyncio.to_thread(state.book.get, name)  # 404 for an unknown name
 
+    def change(live: Live) -> Live | None:
+        return replace(live, active=None) if live.active is not None and live.active[0] == name else None
 
-def _delete(request: Request, name: str) -> Response:
-    state = steering_state(request)
-    state.book.delete(name)
-    if state.active is not None and state.active[0] == name:
-        state.active = None
-        state.bump()
+    await state.commit(change, also=lambda conn: state.book.remove(conn, name))
     return json_response(ProfileDeleted(name=name, deleted=True))
+
+
+async def _get(request: Request, name: str) -> Profile:
+    return await asyncio.to_thread(steering_state(request).book.get, name)
 
 
 # ------------------------------------------------------------------ profiles
@@ -132,54 +147,53 @@ async def create_profile(request: Request) -> Response:
     if body.cluster is not None:
         raise InvalidRequest("clusters are created with POST /api/clusters/import", param="cluster")
     state = steering_state(request)
-    _validate(state, body)
-    state.book.add(body)
+
+    def create() -> None:
+        _validate(state, body)
+        state.book.add(body)
+
+    await asyncio.to_thread(create)
     return json_response(_info(state, body), status=201)
 
 
 async def list_profiles(request: Request) -> Response:
     state = steering_state(request)
-    return json_response(ProfileList(data=[_info(state, p) for p in state.book.all()]))
+    return json_response(ProfileList(data=[_info(state, p) for p in await asyncio.to_thread(state.book.all)]))
 
 
 async def get_profile(request: Request) -> Response:
-    state = steering_state(request)
-    return json_response(_info(state, state.book.get(request.path_params["name"])))
+    return json_response(_info(steering_state(request), await _get(request, request.path_params["name"])))
 
 
 async def delete_profile(request: Request) -> Response:
-    return _delete(request, request.path_params["name"])
+    return await _delete(request, request.path_params["name"])
 
 
 async def activate_profile(request: Request) -> Response:
-    return _activate(request, steering_state(request).book.get(request.path_params["name"]))
+    return await _activate(request, await _get(request, request.path_params["name"]))
 
 
 async def deactivate_profile(request: Request) -> Response:
-    return _deactivate(request)
+    return await _deactivate(request)
 
 
 async def active_profile(request: Request) -> Response:
     state = steering_state(request)
-    return json_response(ActiveInfo(active=_info(state, state.book.get(state.active[0])) if state.active else None))
+    active = state.active
+    return json_response(ActiveInfo(active=_info(state, await _get(request, active[0])) if active else None))
 
 
 async def export_all(request: Request) -> Response:
-    return json_response(ProfileExport(profiles=steering_state(request).book.all()))
+    return json_response(ProfileExport(profiles=await asyncio.to_thread(steering_state(request).book.all)))
 
 
 async def export_one(request: Request) -> Response:
-    return json_response(ProfileExport(profiles=[steering_state(request).book.get(request.path_params["name"])]))
+    return json_response(ProfileExport(profiles=[await _get(request, request.path_params["name"])]))
 
 
-async def import_profiles(request: Request) -> Response:
-    """Import an export document; every profile is checked before any is written.
-    ``?replace=true`` overwrites profiles of the same name."""
-    body = await body_of(request, ProfileExport)
-    if body.format != EXPORT_FORMAT:
-        raise InvalidRequest(f"format {body.format!r} is not {EXPORT_FORMAT}", param="format")
-    state = steering_state(request)
-    for position, profile in enumerate(body.profiles):
+def _import(state: SteeringState, document: ProfileExport, replace: bool) -> list[str]:
+    """Check every profile, then write them all in one transaction (blocking)."""
+    for position, profile in enumerate(document.profiles):
         try:
             _validate(state, profile)
             if profile.cluster is not None:
@@ -187,17 +201,21 @@ async def import_profiles(request: Request) -> Response:
         except MillmError as exc:
             exc.param = f"profiles[{position}].{exc.param}" if exc.param else f"profiles[{position}]"
             raise
-    names = [p.name for p in body.profiles]
+    names = [p.name for p in document.profiles]
     if len(set(names)) != len(names):
         raise InvalidRequest("the document names a profile twice", param="profiles")
-    replace = _replace(request)
-    if not replace:
-        stored = {p.name for p in state.book.all()}
-        existing = [n for n in names if n in stored]
-        if existing:
-            raise ProfileExists(f"profiles {existing} exist; import with ?replace=true to overwrite", param="profiles")
-    for profile in body.profiles:
-        state.book.add(profile, replace=True)
+    state.book.add_many(document.profiles, replace=replace)
+    return names
+
+
+async def import_profiles(request: Request) -> Response:
+    """Import an export document; every profile is checked before any is written, and
+    all are written in one transaction. ``?replace=true`` overwrites profiles of the same
+    name."""
+    body = await body_of(request, ProfileExport)
+    if body.format != EXPORT_FORMAT:
+        raise InvalidRequest(f"format {body.format!r} is not {EXPORT_FORMAT}", param="format")
+    names = await asyncio.to_thread(_import, steering_state(request), body, _replace(request))
     return json_response(Imported(imported=names), status=201)
 
 
@@ -205,6 +223,7 @@ async def import_profiles(request: Request) -> Response:
 
 
 def _cluster(state: SteeringState, name: str) -> Profile:
+    """The cluster named ``name`` (blocking: reads the database)."""
     try:
         profile = state.book.get(name)
     except NotFound:
@@ -214,15 +233,22 @@ def _cluster(state: SteeringState, name: str) -> Profile:
     return profile
 
 
+async def _named_cluster(request: Request) -> Profile:
+    return await asyncio.to_thread(_cluster, steering_state(request), request.path_params["name"])
+
+
 async def import_cluster(request: Request) -> Response:
     """A cluster-definition document becomes a profile bound to the SAE attached at
     ``sae.layer`` whose width is ``sae.n_features``."""
     raw = await body_of(request, dict[str, Any])
     doc = convert(raw, ClusterDocument)
     state = steering_state(request)
-    candidates = [s for s, layer in state.attachments if layer == doc.sae.layer and state.get(s).d_sae == doc.sae.n_features]
+    live = state.live
+    # Attached, usable SAEs are loaded; an unusable attachment is never a candidate.
+    widths = {(s, layer): state.loaded[s].d_sae for s, layer in live.attachments if (s, layer) not in live.unusable and s in state.loaded}
+    candidates = [s for (s, layer), width in widths.items() if layer == doc.sae.layer and width == doc.sae.n_features]
     if not candidates:
-        attached = [(s, layer, state.get(s).d_sae) for s, layer in state.attachments]
+        attached = [(s, layer, width) for (s, layer), width in widths.items()]
         raise SAENotAttached(
             f"the cluster needs an SAE of width {doc.sae.n_features} attached at layer {doc.sae.layer}; attached (id, layer, width): {attached}",
             param="sae",
@@ -231,7 +257,7 @@ async def import_cluster(request: Request) -> Response:
         raise InvalidRequest(f"several SAEs of width {doc.sae.n_features} are attached at layer {doc.sae.layer}: {candidates}", param="sae")
     check_name(doc.name)
     profile = cluster_profile(doc, candidates[0])
-    state.book.add(profile, replace=_replace(request))
+    await asyncio.to_thread(state.book.add, profile, replace=_replace(request))  # one row, one transaction
     known = {"name", "sae", "members", "budget"}
     ignored = sorted(k for k in raw if k not in known) if isinstance(raw, dict) else []
     return json_response(ClusterImported(**msgspec.structs.asdict(_info(state, profile)), ignored_fields=ignored), status=201)
@@ -239,12 +265,11 @@ async def import_cluster(request: Request) -> Response:
 
 async def list_clusters(request: Request) -> Response:
     state = steering_state(request)
-    return json_response(ProfileList(data=[_info(state, p) for p in state.book.all() if p.cluster is not None]))
+    return json_response(ProfileList(data=[_info(state, p) for p in await asyncio.to_thread(state.book.all) if p.cluster is not None]))
 
 
 async def get_cluster(request: Request) -> Response:
-    state = steering_state(request)
-    return json_response(_info(state, _cluster(state, request.path_params["name"])))
+    return json_response(_info(steering_state(request), await _named_cluster(request)))
 
 
 async def set_intensity(request: Request) -> Response:
@@ -252,32 +277,33 @@ async def set_intensity(request: Request) -> Response:
     (or the configured ceiling) within [0, 2]."""
     body = await body_of(request, Intensity)
     state, name = steering_state(request), request.path_params["name"]
-    cluster = _cluster(state, name)
+    cluster = await _named_cluster(request)
     assert cluster.cluster is not None
     dials = dials_of(app_context(request))
     _, high = bounds(cluster.cluster.intensity_range, dials.floor, dials.ceiling)
     if isinstance(body.intensity, bool) or not 0.0 <= body.intensity <= high:
         raise InvalidRequest(f"intensity must be a number in [0, {high}] for cluster {name!r}", param="intensity")
-    updated = state.book.set_intensity(name, float(body.intensity))
-    if state.active is not None and state.active[0] == name:
-        state.bump()
+    updated = with_intensity(cluster, float(body.intensity))
+
+    def change(live: Live) -> Live | None:
+        return live if live.active is not None and live.active[0] == name else None  # the active dial moved
+
+    await state.commit(change, also=lambda conn: state.book.write(conn, updated))
     return json_response(_info(state, updated))
 
 
 async def activate_cluster(request: Request) -> Response:
-    return _activate(request, _cluster(steering_state(request), request.path_params["name"]))
+    return await _activate(request, await _named_cluster(request))
 
 
 async def deactivate_cluster(request: Request) -> Response:
-    name = request.path_params["name"]
-    _cluster(steering_state(request), name)
-    return _deactivate(request, only=name)
+    await _named_cluster(request)
+    return await _deactivate(request, only=request.path_params["name"])
 
 
 async def delete_cluster(request: Request) -> Response:
-    name = request.path_params["name"]
-    _cluster(steering_state(request), name)
-    return _delete(request, name)
+    await _named_cluster(request)
+    return await _delete(request, request.path_params["name"])
 
 
 # Fixed paths before the {name} ones: "active", "deactivate", "export" and "import" are
@@ -285,21 +311,21 @@ async def delete_cluster(request: Request) -> Response:
 E404 = ("404",)
 PROFILE = RouteDoc("One profile", response=ProfileInfo, errors=E404)
 ROUTES: tuple[Route, ...] = (
-    ("/api/profiles", create_profile, ["POST"], RouteDoc("Save a profile", Profile, ProfileInfo, 201, ("400", "404", "409"))),
+    ("/api/profiles", create_profile, ["POST"], RouteDoc("Save a profile", Profile, ProfileInfo, 201, ("400", "404", "409", "503"))),
     ("/api/profiles", list_profiles, ["GET"], RouteDoc("Saved profiles (clusters included)", response=ProfileList, errors=())),
     ("/api/profiles/active", active_profile, ["GET"], RouteDoc("The active profile", response=ActiveInfo, errors=())),
-    ("/api/profiles/deactivate", deactivate_profile, ["POST"], RouteDoc("Deactivate the active profile", response=LiveState, errors=())),
+    ("/api/profiles/deactivate", deactivate_profile, ["POST"], RouteDoc("Deactivate the active profile", response=LiveState, errors=("503",))),
     ("/api/profiles/export", export_all, ["GET"], RouteDoc("Export every profile", response=ProfileExport, errors=())),
-    ("/api/profiles/import", import_profiles, ["POST"], RouteDoc("Import an export document", ProfileExport, Imported, 201, ("400", "404", "409"))),
+    ("/api/profiles/import", import_profiles, ["POST"], RouteDoc("Import an export document", ProfileExport, Imported, 201, ("400", "404", "409", "503"))),
     ("/api/profiles/{name}", get_profile, ["GET"], PROFILE),
-    ("/api/profiles/{name}", delete_profile, ["DELETE"], RouteDoc("Delete a profile", response=ProfileDeleted, errors=E404)),
-    ("/api/profiles/{name}/activate", activate_profile, ["POST"], RouteDoc("Activate a profile for every request", response=LiveState)),
+    ("/api/profiles/{name}", delete_profile, ["DELETE"], RouteDoc("Delete a profile", response=ProfileDeleted, errors=("404", "503"))),
+    ("/api/profiles/{name}/activate", activate_profile, ["POST"], RouteDoc("Activate a profile for every request", response=LiveState, errors=(*WRITE, "409"))),
     ("/api/profiles/{name}/export", export_one, ["GET"], RouteDoc("Export one profile", response=ProfileExport, errors=E404)),
-    ("/api/clusters/import", import_cluster, ["POST"], RouteDoc("Import a cluster-definition document", ClusterDocument, ClusterImported, 201, ("400", "409"))),
+    ("/api/clusters/import", import_cluster, ["POST"], RouteDoc("Import a cluster-definition document", ClusterDocument, ClusterImported, 201, ("400", "409", "503"))),
     ("/api/clusters", list_clusters, ["GET"], RouteDoc("Imported clusters", response=ProfileList, errors=())),
     ("/api/clusters/{name}", get_cluster, ["GET"], RouteDoc("One cluster", response=ProfileInfo, errors=E404)),
-    ("/api/clusters/{name}", delete_cluster, ["DELETE"], RouteDoc("Delete a cluster", response=ProfileDeleted, errors=E404)),
-    ("/api/clusters/{name}/intensity", set_intensity, ["PUT"], RouteDoc("Set the cluster's persistent dial", Intensity, ProfileInfo)),
-    ("/api/clusters/{name}/activate", activate_cluster, ["POST"], RouteDoc("Activate a cluster", response=LiveState)),
-    ("/api/clusters/{name}/deactivate", deactivate_cluster, ["POST"], RouteDoc("Deactivate the cluster if it is active", response=LiveState, errors=E404)),
+    ("/api/clusters/{name}", delete_cluster, ["DELETE"], RouteDoc("Delete a cluster", response=ProfileDeleted, errors=("404", "503"))),
+    ("/api/clusters/{name}/intensity", set_intensity, ["PUT"], RouteDoc("Set the cluster's persistent dial", Intensity, ProfileInfo, errors=WRITE)),
+    ("/api/clusters/{name}/activate", activate_cluster, ["POST"], RouteDoc("Activate a cluster", response=LiveState, errors=(*WRITE, "409"))),
+    ("/api/clusters/{name}/deactivate", deactivate_cluster, ["POST"], RouteDoc("Deactivate the cluster if it is active", response=LiveState, errors=("404", "503"))),
 )

@@ -10,7 +10,12 @@ alone (the global state is never written for a request):
   else the manual values); 0 / ``"off"`` turns everything off without validating the base.
 
 Report members are ordered by layer, then SAE; ``changed`` is added to every member when
-the steering epoch moved between admission and the end of generation.
+the steering epoch moved between admission and the end of generation. A request that would
+need an attachment that cannot be applied (its SAE unreadable after a restart, or not
+fitting the model) runs without it and reports ``unknown;reason=claims_unreadable``.
+
+The decision reads one snapshot of the live state (``state.live``), so it is consistent
+even when an operator write lands at the same moment.
 """
 
 from __future__ import annotations
@@ -20,15 +25,16 @@ from typing import Any
 
 import msgspec
 
-from millm_core.api import AppliedSet, MillmError
+from millm_core.api import AppliedSet, DatabaseBusy, MillmError
 
 from . import inline
 from .inline import SAENotAttached
 from .intensity import Intensity, is_off
 from .intensity import parse as parse_intensity
 from .intensity import resolve as resolve_intensity
+from .live import CLAIMS_UNREADABLE, Live
 from .profiles import Profile, ProfileBook, check_features
-from .registry import SteeringState
+from .registry import AttachmentUnusable, SteeringState
 
 
 @dataclass(frozen=True)
@@ -68,13 +74,17 @@ def _sent(value: Any) -> bool:
     return value is not None and value is not msgspec.UNSET
 
 
-def profile_entry(profile: Profile, source: str, dial: Intensity | None, state: SteeringState, dials: Dials) -> Entry:
+def profile_entry(profile: Profile, source: str, dial: Intensity | None, state: SteeringState, dials: Dials, live: Live | None = None) -> Entry:
     """A profile applied at its (SAE, layer), scaled by λ: the request's dial if given,
-    else the profile's own (a cluster's stored dial; 1 for a plain profile)."""
-    if (profile.sae_id, profile.layer) not in state.attachments:
+    else the profile's own (a cluster's stored dial; 1 for a plain profile). Raises
+    :class:`AttachmentUnusable` when that attachment cannot be applied."""
+    live = live if live is not None else state.live
+    if (profile.sae_id, profile.layer) not in live.attachments:
         raise SAENotAttached(
             f"profile {profile.name!r} steers SAE {profile.sae_id!r} at layer {profile.layer}, which is not attached", param="profile"
         )
+    if (profile.sae_id, profile.layer) in live.unusable:
+        raise AttachmentUnusable(f"profile {profile.name!r} steers SAE {profile.sae_id!r} at layer {profile.layer}, which is unusable", param="profile")
     check_features(profile.features, state.get(profile.sae_id).d_sae, prefix="profile.features")
     declared = profile.cluster.intensity_range if profile.cluster else None
     lam = profile.intensity if dial is None else resolve_intensity(dial, declared, dials.floor, dials.ceiling)
@@ -82,21 +92,27 @@ def profile_entry(profile: Profile, source: str, dial: Intensity | None, state: 
     return Entry("profile", profile.sae_id, profile.layer, applied, name=profile.name, source=source, intensity=lam)
 
 
-def _manual(state: SteeringState, lam: float) -> list[Entry]:
+def _manual(live: Live, lam: float) -> list[Entry]:
     return [
         Entry("manual", sae_id, layer, AppliedSet.build(sae_id, [(i, s * lam) for i, s in values.items()]))
-        for (sae_id, layer), values in state.manual.items()
+        for (sae_id, layer), values in live.manual.items()
     ]
 
 
-def plan_for(request: Any, state: SteeringState, book: ProfileBook, dials: Dials) -> Plan:
-    """Decide a validated request's steering. Raises the request's 4xx (unknown profile,
-    profile invalid for the attached SAE, bad inline set)."""
-    epoch = state.epoch
+def plan_for(request: Any, state: SteeringState, book: ProfileBook, dials: Dials, live: Live | None = None) -> Plan:
+    """Decide a validated request's steering from one snapshot of the live state (``live``,
+    by default the current one). Raises the request's 4xx (unknown profile, profile
+    invalid for the attached SAE, bad inline set)."""
+    live = live if live is not None else state.live
+    epoch = live.epoch
     steering = getattr(request, "steering", None)
     if isinstance(steering, inline.InlineSteering):
-        saes = {sae_id: state.get(sae_id) for sae_id, _ in state.attachments}
-        resolved = inline.resolve(steering, state.attachments, saes)
+        if not steering.features:
+            return Plan(epoch=epoch)
+        target = inline.target(steering, live.attachments)
+        if target in live.unusable:
+            return Plan(epoch=epoch, unknown=CLAIMS_UNREADABLE)
+        resolved = inline.resolve(steering, live.attachments, {target[0]: state.get(target[0])})
         if resolved is None:
             return Plan(epoch=epoch)
         return Plan(entries=_nonempty([Entry("inline", resolved.sae_id, resolved.layer, resolved.applied)]), epoch=epoch)
@@ -105,29 +121,38 @@ def plan_for(request: Any, state: SteeringState, book: ProfileBook, dials: Dials
         dial, _ = parse_intensity(request.steering_intensity)
     if _sent(getattr(request, "profile", None)):
         profile = book.get(request.profile)  # unknown: 404 before anything else
-        if not state.attachments:
+        if not live.attachments:
             return Plan(epoch=epoch)  # nothing to steer with: runs unsteered, no echo
         if dial is not None and is_off(dial):
             return Plan(epoch=epoch, echo=0.0 if profile.features else None)
-        entry = profile_entry(profile, "request", dial, state, dials)
+        try:
+            entry = profile_entry(profile, "request", dial, state, dials, live)
+        except AttachmentUnusable:
+            return Plan(epoch=epoch, unknown=CLAIMS_UNREADABLE)
         return Plan(entries=_nonempty([entry]), epoch=epoch, echo=entry.intensity if dial is not None and entry.applied.features else None)
     try:
-        active = book.get(state.active[0]) if state.active else None
-        as_stored = profile_entry(active, "active", None, state, dials) if active else None
+        active = book.get(live.active[0]) if live.active else None
+        as_stored = profile_entry(active, "active", None, state, dials, live) if active else None
+    except DatabaseBusy:
+        raise  # the profile cannot be read now: a 503 the client may retry, never a guess
+    except AttachmentUnusable:
+        return Plan(epoch=epoch, unknown=CLAIMS_UNREADABLE)
     except MillmError:  # deleted or no longer valid underneath: say so, never guess
         return Plan(epoch=epoch, unknown="profile_unreadable")
+    if any(values and entry in live.unusable for entry, values in live.manual.items()):
+        return Plan(epoch=epoch, unknown=CLAIMS_UNREADABLE)  # values an unusable attachment cannot apply
     if dial is None:
-        entries = ([as_stored] if as_stored else []) + _manual(state, 1.0)
+        entries = ([as_stored] if as_stored else []) + _manual(live, 1.0)
         return Plan(entries=_nonempty(entries), epoch=epoch)
-    base_empty = not (active.features if active else any(state.manual.values()))
+    base_empty = not (active.features if active else any(live.manual.values()))
     if is_off(dial):
         return Plan(epoch=epoch, echo=None if base_empty else 0.0)
     if active:
-        entry = profile_entry(active, "active", dial, state, dials)
-        entries, lam = [entry, *_manual(state, 1.0)], entry.intensity
+        entry = profile_entry(active, "active", dial, state, dials, live)
+        entries, lam = [entry, *_manual(live, 1.0)], entry.intensity
     else:
         lam = resolve_intensity(dial, None, dials.floor, dials.ceiling)
-        entries = _manual(state, lam)
+        entries = _manual(live, lam)
     return Plan(entries=_nonempty(entries), epoch=epoch, echo=None if base_empty else lam)
 
 

@@ -82,9 +82,20 @@ class Resolved:
 
 def resolve(steering: InlineSteering, attachments: Iterable[tuple[str, int]], saes: dict[str, SAE]) -> Resolved | None:
     """Pick the (SAE, layer) the request names, check its indexes, and build the applied
-    set. ``None`` for ``features: []`` (explicitly unsteered)."""
+    set. ``None`` for ``features: []`` (explicitly unsteered). ``saes`` holds at least the
+    SAE the request names."""
     if not steering.features:
         return None
+    sae_id, layer = target(steering, attachments)
+    width = saes[sae_id].d_sae
+    for position, feature in enumerate(steering.features):
+        if not 0 <= feature.index < width:
+            raise InvalidFeatureIndex(f"feature index {feature.index} is outside [0, {width}) for SAE {sae_id!r}", param=f"steering.features[{position}].index")
+    return Resolved(sae_id=sae_id, layer=layer, applied=AppliedSet.build(sae_id, [(f.index, f.strength) for f in steering.features]))
+
+
+def target(steering: InlineSteering, attachments: Iterable[tuple[str, int]]) -> tuple[str, int]:
+    """The (SAE, layer) a non-empty set applies at, or the request's 400."""
     attached = list(attachments)
     if not attached:
         raise SAENotAttached("steering needs an attached SAE; none is attached (POST /api/saes/{id}/attach)", param="steering")
@@ -101,8 +112,4 @@ def resolve(steering: InlineSteering, attachments: Iterable[tuple[str, int]], sa
             listed = ", ".join(f"({steering.sae_id}, layer {layer})" for layer in layers)
             raise InvalidRequest(f"SAE {steering.sae_id!r} is attached at several layers: {listed}", param="steering.sae_id")
         sae_id, layer = steering.sae_id, layers[0]
-    width = saes[sae_id].d_sae
-    for position, feature in enumerate(steering.features):
-        if not 0 <= feature.index < width:
-            raise InvalidFeatureIndex(f"feature index {feature.index} is outside [0, {width}) for SAE {sae_id!r}", param=f"steering.features[{position}].index")
-    return Resolved(sae_id=sae_id, layer=layer, applied=AppliedSet.build(sae_id, [(f.index, f.strength) for f in steering.features]))
+    return sae_id, layer

@@ -27,6 +27,7 @@ from millm_core.api import (
     Problem,
     RequestContext,
     RequestField,
+    ServedModel,
     StashKey,
     hookimpl,
 )
@@ -74,8 +75,18 @@ def millm_register_request_fields(register: Callable[[RequestField[Any]], None])
 
 @hookimpl
 def millm_startup(app: AppContext) -> None:
-    """Migrate the plugin's tables and load its registrations before the server is ready."""
+    """Migrate the plugin's tables and restore the persisted live state (attachments,
+    manual values, the active profile, the epoch) before the server is ready. The attached
+    SAEs are loaded now; one that cannot be read is kept and reported as unusable."""
     app.stash[STATE] = SteeringState(store=app.store)
+
+
+@hookimpl
+def millm_model_loaded(app: AppContext, model: ServedModel) -> None:
+    """Check the restored attachments against the resident model (the first one served):
+    one it cannot take is kept, reported as unusable and never applied."""
+    if next(iter(app.models), model) is model:
+        state_of(app).check_model(model)
 
 
 @hookimpl

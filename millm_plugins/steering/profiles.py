@@ -10,6 +10,7 @@ profile's λ is 1.
 from __future__ import annotations
 
 import math
+import sqlite3
 import time
 from typing import Any
 
@@ -149,22 +150,47 @@ def _decode(body: object) -> Profile:
     return msgspec.msgpack.decode(body, type=Profile)
 
 
+def _exists(conn: sqlite3.Connection, name: str) -> bool:
+    return conn.execute("SELECT 1 FROM profiles WHERE name = ?", (name,)).fetchone() is not None
+
+
 class ProfileBook:
-    """Profiles in the ``profiles`` table (one msgpack body per name)."""
+    """Profiles in the ``profiles`` table (one msgpack body per name). Every method
+    blocks on SQLite: routes call them off the event loop."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
 
+    @staticmethod
+    def write(conn: sqlite3.Connection, profile: Profile) -> None:
+        """Insert or overwrite ``profile`` inside the caller's transaction."""
+        conn.execute(
+            "INSERT INTO profiles (name, body, created) VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE SET body = excluded.body",
+            (profile.name, msgspec.msgpack.encode(profile), time.time()),
+        )
+
+    @staticmethod
+    def remove(conn: sqlite3.Connection, name: str) -> None:
+        conn.execute("DELETE FROM profiles WHERE name = ?", (name,))
+
     def add(self, profile: Profile, *, replace: bool = False) -> None:
         check_name(profile.name)
         with self.store.transaction() as conn:
-            exists = conn.execute("SELECT 1 FROM profiles WHERE name = ?", (profile.name,)).fetchone()
-            if exists and not replace:
+            if not replace and _exists(conn, profile.name):
                 raise ProfileExists(f"a profile named {profile.name!r} exists (delete it first, or import with replace)", param="name")
-            conn.execute(
-                "INSERT INTO profiles (name, body, created) VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE SET body = excluded.body",
-                (profile.name, msgspec.msgpack.encode(profile), time.time()),
-            )
+            self.write(conn, profile)
+
+    def add_many(self, profiles: list[Profile], *, replace: bool = False) -> None:
+        """Write every profile in one transaction: all of them or none, even if the
+        process dies half-way. Without ``replace`` a name in use refuses them all."""
+        for profile in profiles:
+            check_name(profile.name)
+        with self.store.transaction() as conn:
+            existing = [] if replace else [p.name for p in profiles if _exists(conn, p.name)]
+            if existing:
+                raise ProfileExists(f"profiles {existing} exist; import with ?replace=true to overwrite", param="profiles")
+            for profile in profiles:
+                self.write(conn, profile)
 
     def get(self, name: str) -> Profile:
         rows = self.store.query("SELECT body FROM profiles WHERE name = ?", (name,))
@@ -175,15 +201,9 @@ class ProfileBook:
     def all(self) -> list[Profile]:
         return [_decode(body) for (body,) in self.store.query("SELECT body FROM profiles ORDER BY name")]
 
-    def delete(self, name: str) -> None:
-        self.get(name)
-        with self.store.transaction() as conn:
-            conn.execute("DELETE FROM profiles WHERE name = ?", (name,))
 
-    def set_intensity(self, name: str, intensity: float) -> Profile:
-        profile = self.get(name)
-        if profile.cluster is None:
-            raise NotFound(f"{name!r} is a profile, not a cluster", code="cluster_not_found", param="id")
-        profile = msgspec.structs.replace(profile, cluster=msgspec.structs.replace(profile.cluster, intensity=intensity))
-        self.add(profile, replace=True)
-        return profile
+def with_intensity(profile: Profile, intensity: float) -> Profile:
+    """The cluster with its persistent dial set to ``intensity``."""
+    if profile.cluster is None:
+        raise NotFound(f"{profile.name!r} is a profile, not a cluster", code="cluster_not_found", param="id")
+    return msgspec.structs.replace(profile, cluster=msgspec.structs.replace(profile.cluster, intensity=intensity))

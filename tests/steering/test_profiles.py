@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from .test_inline import chat, hf_reference, parse, spec_hash
-from .test_sae_api import D_SAE, write_sae
+from .test_sae_api import D_SAE, JSON, write_sae
 
 FEATURES = [(3, 6.0), (17, -4.5)]
 
@@ -50,9 +50,9 @@ def srv(live_server: Any) -> Iterator[Any]:
     """The module's server, with global steering switched off and profiles removed after
     each test."""
     yield live_server
-    httpx.delete(live_server.base_url + "/api/steering")
+    httpx.delete(live_server.base_url + "/api/steering", headers=JSON)
     for profile in httpx.get(live_server.base_url + "/api/profiles").json()["data"]:
-        httpx.delete(live_server.base_url + "/api/profiles/" + profile["name"])
+        httpx.delete(live_server.base_url + "/api/profiles/" + profile["name"], headers=JSON)
 
 
 def text(resp: httpx.Response) -> str:
@@ -73,7 +73,7 @@ def test_manual_values_steer_every_plain_request_until_cleared(srv, tiny_engine,
     assert put.json()["steering"] == resp.headers["x-millm-steering"]  # GET/PUT say what a plain request gets
     # A request's own fields replace the live values for that request only.
     assert chat(srv, steering={"features": []}).headers["x-millm-steering"] == "none"
-    cleared = httpx.delete(srv.base_url + "/api/steering")
+    cleared = httpx.delete(srv.base_url + "/api/steering", headers=JSON)
     assert cleared.json()["manual"] == [] and cleared.json()["steering"] == "none"
     assert chat(srv).headers["x-millm-steering"] == "none"
 
@@ -115,7 +115,7 @@ def test_profile_lifecycle_and_refusals(srv) -> None:  # type: ignore[no-untyped
     ]:
         resp = httpx.post(api, json=bad)
         assert (resp.status_code, resp.json()["error"]["code"]) == (status, code), resp.text
-    assert httpx.delete(api + "/sea-calm").status_code == 200
+    assert httpx.delete(api + "/sea-calm", headers=JSON).status_code == 200
     gone = httpx.get(api + "/sea-calm")
     assert (gone.status_code, gone.json()["error"]["code"]) == (404, "profile_not_found")
 
@@ -159,7 +159,7 @@ def test_active_profile_applies_to_plain_requests_and_a_request_profile_replaces
     httpx.post(api, json={"name": "a", "sae_id": "alpha", "layer": 1, "features": features(FEATURES)})
     httpx.post(api, json={"name": "b", "sae_id": "alpha", "layer": 1, "features": features([(30, 5.0)])})
     assert httpx.get(api + "/active").json() == {"active": None}
-    activated = httpx.post(api + "/a/activate")
+    activated = httpx.post(api + "/a/activate", json={})
     assert activated.status_code == 200 and activated.json()["active_profile"] == {"name": "a", "sae_id": "alpha", "layer": 1}
     assert httpx.get(api + "/active").json()["active"]["name"] == "a"
     plain = chat(srv)
@@ -169,14 +169,14 @@ def test_active_profile_applies_to_plain_requests_and_a_request_profile_replaces
     other = chat(srv, profile="b")
     assert text(other) == hf_reference(tiny_engine, saes["alpha"], [(30, 5.0)])
     assert parse(other.headers["x-millm-steering"])[0][1]["source"] == "request"
-    assert httpx.post(api + "/deactivate").json()["active_profile"] is None
+    assert httpx.post(api + "/deactivate", json={}).json()["active_profile"] is None
     assert chat(srv).headers["x-millm-steering"] == "none"
     # Deleting the active profile deactivates it; activating one on an unattached SAE is refused.
-    httpx.post(api + "/a/activate")
-    httpx.delete(api + "/a")
+    httpx.post(api + "/a/activate", json={})
+    httpx.delete(api + "/a", headers=JSON)
     assert httpx.get(api + "/active").json() == {"active": None}
     httpx.post(api, json={"name": "beta0", "sae_id": "beta", "layer": 0, "features": features(FEATURES)})
-    assert httpx.post(api + "/beta0/activate").json()["error"]["code"] == "sae_not_attached"
+    assert httpx.post(api + "/beta0/activate", json={}).json()["error"]["code"] == "sae_not_attached"
 
 
 def test_scoring_and_embeddings_ignore_an_active_profile(srv) -> None:  # type: ignore[no-untyped-def]
@@ -184,7 +184,7 @@ def test_scoring_and_embeddings_ignore_an_active_profile(srv) -> None:  # type: 
     embed_body = {"model": "tiny", "input": "The sea is"}
     before = (httpx.post(srv.base_url + "/v1/completions", json=score_body).json(), httpx.post(srv.base_url + "/v1/embeddings", json=embed_body).json())
     httpx.post(srv.base_url + "/api/profiles", json={"name": "strong", "sae_id": "alpha", "layer": 1, "features": features([(4, 40.0)])})
-    httpx.post(srv.base_url + "/api/profiles/strong/activate")
+    httpx.post(srv.base_url + "/api/profiles/strong/activate", json={})
     assert chat(srv).headers["x-millm-steering"].startswith("profile;")
     scored = httpx.post(srv.base_url + "/v1/completions", json=score_body)
     embedded = httpx.post(srv.base_url + "/v1/embeddings", json=embed_body)
@@ -285,7 +285,7 @@ def test_dial_only_requests_scale_the_active_cluster_or_the_manual_values(srv) -
     assert (kind, params["hash"]) == ("manual", spec_hash("alpha", [(i, s * 2.0) for i, s in FEATURES]))
     assert float(manual.headers["x-millm-steering-intensity"]) == 2.0
     httpx.post(srv.base_url + "/api/clusters/import", json=cluster_doc("live", [(5, 2.0)], [0.5, 1.5]))
-    httpx.post(srv.base_url + "/api/clusters/live/activate")
+    httpx.post(srv.base_url + "/api/clusters/live/activate", json={})
     dialled = chat(srv, steering_intensity=0.75)
     [(kind, params)] = parse(dialled.headers["x-millm-steering"])
     assert (kind, params["source"], params["intensity"], params["hash"]) == ("profile", "active", "0.75", spec_hash("alpha", [(5, 1.5)]))
@@ -293,7 +293,7 @@ def test_dial_only_requests_scale_the_active_cluster_or_the_manual_values(srv) -
 
 def test_persistent_dial_applies_when_the_request_has_none_and_is_bounded(srv) -> None:  # type: ignore[no-untyped-def]
     httpx.post(srv.base_url + "/api/clusters/import", json=cluster_doc("kept", [(5, 2.0)], [0.5, 1.5]))
-    httpx.post(srv.base_url + "/api/clusters/kept/activate")
+    httpx.post(srv.base_url + "/api/clusters/kept/activate", json={})
     epoch = httpx.get(srv.base_url + "/api/steering").json()["epoch"]
     set_ = httpx.put(srv.base_url + "/api/clusters/kept/intensity", json={"intensity": 0.25})
     assert set_.status_code == 200 and set_.json()["cluster"]["intensity"] == 0.25
@@ -303,7 +303,7 @@ def test_persistent_dial_applies_when_the_request_has_none_and_is_bounded(srv) -
     for bad in (1.6, -1.0):
         resp = httpx.put(srv.base_url + "/api/clusters/kept/intensity", json={"intensity": bad})
         assert (resp.status_code, resp.json()["error"]["code"]) == (400, "invalid_parameter")
-    assert httpx.post(srv.base_url + "/api/clusters/kept/deactivate").json()["active_profile"] is None
+    assert httpx.post(srv.base_url + "/api/clusters/kept/deactivate", json={}).json()["active_profile"] is None
 
 
 def test_profiles_clusters_and_dials_survive_a_restart(make_server, saes: dict[str, str], tmp_path: pathlib.Path) -> None:  # type: ignore[no-untyped-def]
@@ -314,13 +314,13 @@ def test_profiles_clusters_and_dials_survive_a_restart(make_server, saes: dict[s
         httpx.post(first.base_url + "/api/profiles", json={"name": "p", "sae_id": "alpha", "layer": 1, "features": features(FEATURES)})
         httpx.post(first.base_url + "/api/clusters/import", json=cluster_doc("c", [(5, 2.0)], [0.5, 1.5]))
         httpx.put(first.base_url + "/api/clusters/c/intensity", json={"intensity": 0.75})
-        httpx.post(first.base_url + "/api/profiles/p/activate")
+        httpx.post(first.base_url + "/api/profiles/p/activate", json={})
         saved = httpx.get(first.base_url + "/api/profiles").json()["data"]
     with make_server(db=db) as second:
         listed = httpx.get(second.base_url + "/api/profiles").json()["data"]
-        assert [{**p, "active": False} for p in saved] == listed  # activation is the running server's state
+        assert saved == listed  # the active profile persists too
         assert httpx.get(second.base_url + "/api/clusters/c").json()["cluster"] == {"intensity": 0.75, "intensity_range": [0.5, 1.5]}
-        httpx.post(second.base_url + "/api/saes/alpha/attach", json={"layer": 1})
+        assert httpx.get(second.base_url + "/api/saes/alpha").json()["attached_layers"] == [1]
         [(_, params)] = parse(chat(second, profile="c").headers["x-millm-steering"])
         assert params["intensity"] == "0.75"
 

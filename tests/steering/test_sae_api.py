@@ -1,4 +1,4 @@
-"""The SAE management API on a real server; registrations survive a restart."""
+"""The SAE management API on a real server; registrations and attachments survive a restart."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from millm_core.config import load_settings
 from millm_core.server.app import build_host
 
 D_SAE = 48
+JSON = {"Content-Type": "application/json"}  # every write to /api says it sends JSON, a bodyless one too
 
 
 def write_sae(folder: pathlib.Path, d_in: int, seed: int = 0) -> str:
@@ -40,7 +41,9 @@ def test_lifecycle_and_refusals(make_server, tiny_engine, tmp_path: pathlib.Path
         api = srv.base_url + "/api/saes"
         created = httpx.post(api, json={"path": good, "id": "tiny-l1"})
         assert created.status_code == 201
-        assert created.json() == {"id": "tiny-l1", "path": good, "architecture": "standard", "d_in": d_model, "d_sae": D_SAE, "attached_layers": []}
+        assert created.json() == {
+            "id": "tiny-l1", "path": good, "status": "ok", "reason": None, "architecture": "standard", "d_in": d_model, "d_sae": D_SAE, "attached_layers": [],
+        }  # fmt: skip
         derived = httpx.post(api, json={"path": good})
         assert derived.status_code == 201 and derived.json()["id"].endswith("--layer_1")
         assert httpx.post(api, json={"path": good, "id": "tiny-l1"}).status_code == 409
@@ -57,7 +60,7 @@ def test_lifecycle_and_refusals(make_server, tiny_engine, tmp_path: pathlib.Path
         assert mismatch.status_code == 400 and "width" in mismatch.json()["error"]["message"]
         assert httpx.post(api + "/tiny-l1/detach", json={"layer": 0}).json()["detached"] == 1
         assert [s["id"] for s in httpx.get(api).json()["data"]] == sorted([derived.json()["id"], "tiny-l1", "wrong"])
-        assert httpx.delete(api + "/tiny-l1").status_code == 200
+        assert httpx.delete(api + "/tiny-l1", headers=JSON).status_code == 200
         missing = httpx.get(api + "/tiny-l1")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "sae_not_found"
 
@@ -70,7 +73,7 @@ def test_registrations_survive_a_restart(make_server, tiny_engine, tmp_path: pat
         httpx.post(first.base_url + "/api/saes/kept/attach", json={"layer": 1})
     with make_server(db=db) as second:
         listed = httpx.get(second.base_url + "/api/saes").json()["data"]
-        assert [(s["id"], s["path"], s["attached_layers"]) for s in listed] == [("kept", path, [])]  # attachments are runtime state
+        assert [(s["id"], s["path"], s["status"], s["attached_layers"]) for s in listed] == [("kept", path, "ok", [1])]  # attachments persist too
 
 
 @pytest.mark.parametrize("field", [("steering", {"features": []}), ("profile", "p"), ("steering_intensity", 0.5)])
