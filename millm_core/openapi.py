@@ -35,9 +35,11 @@ _ERRORS = {
     "400": "Refused: invalid JSON or value, a field nothing honours, unused fields in strict mode, context length exceeded",
     "404": "Unknown model, or the named object does not exist",
     "409": "The object exists already",
+    "401": "An API key is required (--api-key) and none or a wrong one was sent",
     "413": "Request body over the configured limit",
+    "415": "A write to /api without Content-Type: application/json",
     "500": "Unexpected failure (details in the server log under the request id)",
-    "503": "No model loaded, or the request queue is full (see Retry-After)",
+    "503": "No model loaded, the queue or the server is full, not enough memory, or the database is busy (see Retry-After)",
 }
 
 
@@ -90,7 +92,7 @@ class RouteDoc:
 Documented = tuple[str, str, RouteDoc]  # (path, method, doc)
 
 
-def _operation(path: str, doc: RouteDoc) -> dict[str, Any]:
+def _operation(path: str, method: str, doc: RouteDoc) -> dict[str, Any]:
     op: dict[str, Any] = {"summary": doc.summary}
     params = re.findall(r"{(\w+)}", path)
     if params:
@@ -100,7 +102,8 @@ def _operation(path: str, doc: RouteDoc) -> dict[str, Any]:
     ok: dict[str, Any] = {"description": doc.summary}
     if doc.response is not None:
         ok["content"] = {"application/json": {"schema": _ref(doc.response)}}
-    op["responses"] = {str(doc.status): ok, **_errors(*doc.errors, *(("413",) if doc.request else ()))}
+    guarded = ("415",) if method.upper() in ("POST", "PUT", "PATCH", "DELETE") and path.startswith("/api/") else ()
+    op["responses"] = {str(doc.status): ok, **_errors(*doc.errors, *(("413",) if doc.request else ()), *guarded)}
     return op
 
 
@@ -152,7 +155,7 @@ def openapi_document(
         },
     }
     for path, method, doc in sorted(routes, key=lambda r: (r[0], r[1])):
-        paths.setdefault(path, {})[method.lower()] = _operation(path, doc)
+        paths.setdefault(path, {})[method.lower()] = _operation(path, method, doc)
     for path, type_ in sorted(extra_responses, key=lambda pt: (pt[0], pt[1].__name__)):
         operation = next(iter(paths[path].values()))
         body = operation["responses"]["200"]["content"]["application/json"]

@@ -83,7 +83,7 @@ def walkthrough_sae(base_url: str, d_model: int, folder: pathlib.Path) -> Iterat
     try:
         yield
     finally:
-        httpx.delete(base_url + "/api/saes/smollm2-l10")
+        httpx.delete(base_url + "/api/saes/smollm2-l10", headers={"Content-Type": "application/json"})
 
 
 @pytest.mark.parametrize(("page", "index", "lang", "code"), blocks(), ids=[f"{b[0]}#{b[1]}" for b in blocks()])

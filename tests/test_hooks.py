@@ -72,11 +72,11 @@ def test_register_routes_and_resolve(make_server) -> None:  # type: ignore[no-un
     host.register(AliasPlugin(), "alias")
     with make_server(host=host) as srv:
         assert httpx.get(srv.base_url + "/api/example/ping").json() == {"pong": True, "models": ["tiny", "tiny-no-template"]}
-        assert httpx.post(srv.base_url + "/api/example/echo/hi").json() == {"word": "hi"}
+        assert httpx.post(srv.base_url + "/api/example/echo/hi", json={"word": "hi"}).json() == {"word": "hi"}
         paths = httpx.get(srv.base_url + "/v1/openapi.json").json()["paths"]
         assert "/api/example/ping" not in paths  # registered without a doc
         echo_op = paths["/api/example/echo/{word}"]["post"]
-        assert echo_op["parameters"][0]["name"] == "word" and set(echo_op["responses"]) == {"200", "400", "413"}
+        assert echo_op["parameters"][0]["name"] == "word" and set(echo_op["responses"]) == {"200", "400", "413", "415"}
         assert echo_op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/Shout")
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
         resp = client.chat.completions.with_raw_response.create(model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=2)

@@ -193,7 +193,10 @@ def create_app(
     )
     # Added last = outermost: every refusal the guard makes carries its X-Request-Id, and
     # every response (refusals included) is counted and logged once.
-    app.add_middleware(GuardMiddleware, api_keys=settings.api_key, allowed_hosts=settings.allowed_hosts, max_inflight=settings.max_inflight)
+    app.add_middleware(
+        GuardMiddleware, api_keys=settings.api_key, allowed_hosts=settings.allowed_hosts, max_inflight=settings.max_inflight,
+        routes=lambda: app.routes,
+    )  # fmt: skip
     app.add_middleware(AccessMiddleware, metrics=metrics, routes=lambda: app.routes)
     app.add_middleware(RequestIdMiddleware)
     app.state.read_timeout = settings.read_timeout  # for the HTTP server that runs the app

@@ -8,7 +8,9 @@ page can change the server's state). Refusals take the OpenAI error shape.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..codec import encode
@@ -36,8 +38,12 @@ class GuardMiddleware:
     ``server_busy``; health and readiness are never refused). Keys are compared in
     constant time and never logged."""
 
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], allowed_hosts: tuple[str, ...], max_inflight: int = 256) -> None:
+    def __init__(
+        self, app: ASGIApp, api_keys: tuple[str, ...], allowed_hosts: tuple[str, ...], max_inflight: int = 256,
+        routes: Callable[[], list[BaseRoute]] = list,
+    ) -> None:  # fmt: skip
         self.app = app
+        self._routes = routes
         self._keys = [key.encode() for key in api_keys]
         self._hosts = frozenset(h.lower() for h in allowed_hosts)
         self._max_inflight = max_inflight
@@ -61,11 +67,15 @@ class GuardMiddleware:
             if scheme.lower() != b"bearer" or not matched:
                 message = "Missing API key: send Authorization: Bearer <key>" if not given else "Invalid API key"
                 return _refusal(401, "invalid_api_key", message, [(b"www-authenticate", b'Bearer realm="millm"')])
-        if path.startswith("/api/") and scope.get("method") in WRITE_METHODS:
+        if path.startswith("/api/") and scope.get("method") in WRITE_METHODS and self._routed(scope):
             media = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
             if media != b"application/json":
                 return _refusal(415, "unsupported_media_type", "Writes to /api need Content-Type: application/json")
         return None
+
+    def _routed(self, scope: Scope) -> bool:
+        """Whether a route serves this method at this path (else the router's 404/405)."""
+        return any(route.matches(scope)[0] == Match.FULL for route in self._routes())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -22,7 +22,7 @@ from millm_core.api import hookimpl
 from millm_core.config import load_settings
 from millm_core.server.app import build_host
 
-from .helpers import GatePlugin
+from .helpers import GatePlugin, scheduler_stats
 
 MESSAGES = [{"role": "user", "content": "go"}]
 
@@ -210,8 +210,7 @@ def test_model_not_loaded_503_has_retry_after(make_server) -> None:  # type: ign
 # ------------------------------------------------------------------ disconnects
 
 
-def _stats(base_url: str) -> dict[str, Any]:
-    return dict(httpx.get(base_url + "/api/health/inference").json()["scheduler"])
+_stats = scheduler_stats
 
 
 def test_a_non_streamed_request_is_cancelled_when_its_client_disconnects(make_server) -> None:  # type: ignore[no-untyped-def]
