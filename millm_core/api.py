@@ -73,6 +73,7 @@ from .errors import (
 )
 from .fields import GENERATION_ENDPOINTS, FieldRule
 from .hookspecs import PROJECT, hookimpl
+from .jobs import RowsFailed
 from .loading import load_served_model, local_revision
 from .logs import configure_logging
 from .openapi import RouteDoc
@@ -155,6 +156,7 @@ __all__ = [
     "RouteDoc",
     "RowInfo",
     "RowSpec",
+    "RowsFailed",
     "SamplingParams",
     "Scorer",
     "ScoringPrecisionUnavailable",

@@ -26,6 +26,7 @@ log = structlog.get_logger("millm.access")
 # Latency buckets (seconds): CPU decode steps are tens of ms, prefill up to seconds.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class _SchedulerCollector(Collector):
@@ -56,6 +57,7 @@ class Metrics:
         self.completion_tokens = Counter("millm_completion_tokens", "Completion tokens generated", ["endpoint"], registry=self.registry)
         self.ttft = Histogram("millm_time_to_first_token_seconds", "Request start to its first token", buckets=TTFT_BUCKETS, registry=self.registry)
         self.itl = Histogram("millm_inter_token_latency_seconds", "Time between a request's successive tokens", buckets=ITL_BUCKETS, registry=self.registry)
+        self.step = Histogram("millm_scheduler_step_seconds", "Duration of one decode step (a batch's forward pass and sampling)", buckets=STEP_BUCKETS, registry=self.registry)
 
     def watch_scheduler(self, snapshot: Callable[[], Any]) -> None:
         """Expose the scheduler's counters (read at scrape time)."""

@@ -92,8 +92,10 @@ class Scheduler:
 
     max_overtakes = 32  # later jobs that may join the running batch ahead of a waiting job
 
-    def __init__(self, max_queue: int) -> None:
+    def __init__(self, max_queue: int, observe_step: Callable[[float], None] | None = None) -> None:
         self._max_queue = max_queue
+        # Called on the model thread with each step's duration in seconds (metrics).
+        self._observe_step = observe_step
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._waiting: collections.deque[Job | Call] = collections.deque()
@@ -341,11 +343,14 @@ class Scheduler:
                 if self._waiting:
                     self._admit(run, joinable, batch)
                 biases = run.biases()
+                started = time.perf_counter()
                 try:
                     tokens = engine.step(batch, biases)
                 except RowsFailed as partial:
                     tokens = partial.tokens
                     run.fail_rows(partial.errors)
+                if self._observe_step is not None:
+                    self._observe_step(time.perf_counter() - started)
                 keep = run.accept(tokens)
                 if len(keep) < len(tokens) and run.slots:
                     engine.retain(batch, keep)

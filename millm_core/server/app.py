@@ -114,7 +114,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        scheduler = Scheduler(settings.max_queue)
+        scheduler = Scheduler(settings.max_queue, observe_step=metrics.step.observe)
         db = settings.db or default_db_path()
         try:
             store = Store(db)
@@ -151,7 +151,7 @@ def create_app(
             async def load() -> None:
                 try:
                     # Loaded on the scheduler's thread: the one thread that runs model code.
-                    model = await asyncio.wrap_future(scheduler.call(loader))
+                    model = await asyncio.wrap_future(scheduler.call(loader, counted=False))  # never refused as queue_full
                     host.model_loaded(context, model)
                     registry.add(model)
                 except Exception as exc:  # noqa: BLE001 - reported by readiness and 503s

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from millm_core.api import ModelInfo, OutOfMemory, RowSpec, SamplingParams
+from millm_core.api import InternalError, ModelInfo, OutOfMemory, RowsFailed, RowSpec, SamplingParams
 
 from .chat import render_chat_ids
 from .fastpath import KVCache, LlamaDecoder
@@ -63,6 +63,18 @@ class HFBatch:
     @property
     def size(self) -> int:
         return len(self.params)
+
+
+class NonFiniteLogits(InternalError):
+    """500: a row's logits held NaN or ±inf; only that row's request fails."""
+
+    code = "non_finite_logits"
+
+
+def _non_finite_rows(logits: torch.Tensor) -> list[int]:
+    """Rows whose logits hold a NaN or ±inf (one reduction over the batch)."""
+    bad = ~torch.isfinite(logits).all(dim=-1)
+    return bad.nonzero().flatten().tolist() if bool(bad.any()) else []
 
 
 class TransformersEngine:
@@ -168,12 +180,17 @@ class TransformersEngine:
             logits = torch.cat([logits, self._prefill(sub)])
             self._merge(batch, sub)
         logits = logits.float()
+        broken = _non_finite_rows(logits)
+        if broken:  # those rows fail alone; the others are sampled as usual
+            logits[broken] = 0.0
         if any(biases):
             apply_biases(logits, biases)
         assert batch.draw_pos is not None
         tokens = sample(logits, batch.params, batch.draw_pos)
         batch.last_tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)
         batch.draw_pos = [p + 1 for p in batch.draw_pos]
+        if broken:
+            raise RowsFailed(tokens, {row: NonFiniteLogits(f"row {row}'s logits are not finite (NaN or inf) at this step") for row in broken})
         return tokens
 
     # ------------------------------------------------------------------ joining

@@ -57,6 +57,8 @@ def test_requests_tokens_and_latencies_are_counted(make_server, info_logs: None)
     assert gaps == usage["completion_tokens"] - 1
     assert value(after, "millm_queue_depth") == 0 and value(after, "millm_running_rows") == 0
     assert value(after, "millm_scheduler_steps_total") >= usage["completion_tokens"]
+    steps = value(after, "millm_scheduler_step_seconds_count") - value(before, "millm_scheduler_step_seconds_count")
+    assert steps == value(after, "millm_scheduler_steps_total") - value(before, "millm_scheduler_steps_total") >= usage["completion_tokens"]
     lines = [e for e in logs if e["event"] == "request" and e.get("request_id") == "m-1"]
     assert len(lines) == 1
     assert (lines[0]["method"], lines[0]["path"], lines[0]["status"]) == ("POST", "/v1/chat/completions", 200)

@@ -7,7 +7,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from ...builtin import STRUCTURAL_FIELDS
 from ...codec import encode
-from ...engine import Joinable
+from ...engine import backend_of
 from ...errors import ModelNotLoaded, ServiceUnavailable
 from ...fields import policy_table
 from .common import app_state
@@ -47,8 +47,11 @@ async def api_docs(request: Request) -> Response:
 
 async def inference(request: Request) -> Response:
     state = app_state(request)
-    # "batched": concurrent requests share decode steps (a Joinable engine); "serial": one request's rows per step.
-    backend = "batched" if any(isinstance(m.engine, Joinable) for m in state.models) else "serial"
+    # Per model, what actually runs: "batched" when concurrent requests share its decode
+    # steps (a Joinable engine that joins as loaded), else "serial". "backend" is the
+    # server's: batched when any model batches.
+    models = {m.info.served_name: backend_of(m.engine) for m in state.models}
+    backend = "batched" if "batched" in models.values() else "serial"
     scheduler = state.scheduler
-    body = {"backend": backend, "healthy": scheduler.healthy, "failure": scheduler.failure, "scheduler": scheduler.snapshot()}
+    body = {"backend": backend, "models": models, "healthy": scheduler.healthy, "failure": scheduler.failure, "scheduler": scheduler.snapshot()}
     return Response(encode(body), media_type="application/json")
