@@ -79,6 +79,10 @@ class SAEInfo(msgspec.Struct, kw_only=True):
     d_in: int | None
     d_sae: int | None
     attached_layers: list[int]
+    # The hook point the SAE was trained on (SAELens ``hook_name``), and the attachment
+    # layer it means (``blocks.N.hook_resid_pre`` is block N-1's output).
+    hook_name: str | None = None
+    hook_layer: int | None = None
 
 
 class SAEList(msgspec.Struct, kw_only=True):
@@ -183,7 +187,10 @@ async def body_of(request: Request, type_: type[Any]) -> Any:
 
 
 def _info(state: SteeringState, sae_id: str, path: str, sae: SAE) -> SAEInfo:
-    return SAEInfo(id=sae_id, path=path, architecture=sae.architecture, d_in=sae.d_in, d_sae=sae.d_sae, attached_layers=state.layers_of(sae_id))
+    return SAEInfo(
+        id=sae_id, path=path, architecture=sae.architecture, d_in=sae.d_in, d_sae=sae.d_sae, attached_layers=state.layers_of(sae_id),
+        hook_name=sae.hook_name, hook_layer=sae.hook_layer,
+    )  # fmt: skip
 
 
 def describe(state: SteeringState, sae_id: str, path: str) -> SAEInfo:
@@ -224,6 +231,24 @@ async def delete_sae(request: Request) -> Response:
     return json_response(SAEDeleted(id=request.path_params["sae_id"], deleted=True))
 
 
+def attachment_layer(sae: SAE, asked: int | None) -> int:
+    """Where an SAE attaches: the block output its recorded hook point is (a
+    ``hook_resid_pre`` of block N is block N-1's output), else the layer asked for."""
+    native = sae.hook_layer
+    if native is not None and native < 0:
+        raise InvalidRequest(f"this SAE reads {sae.hook_name} (the embeddings, before any block): there is no block output to steer there", param="layer")
+    if native is not None and asked is not None and asked != native:
+        raise InvalidRequest(
+            f"this SAE was trained on {sae.hook_name}, which is the output of block {native}; attach it at layer {native} (or omit layer)",
+            param="layer",
+        )
+    if native is not None:
+        return native
+    if asked is None:
+        raise InvalidRequest("attach needs a layer (this SAE records no residual-stream hook point)", param="layer")
+    return asked
+
+
 async def attach_sae(request: Request) -> Response:
     body = await body_of(request, AttachSAE)
     state, app = steering_state(request), app_context(request)
@@ -232,10 +257,9 @@ async def attach_sae(request: Request) -> Response:
         raise ModelNotLoaded("an SAE attaches to the resident model, and none is loaded yet")
     if Capability.STEERING not in model.capabilities:
         raise FieldNotHonoured(f"the {model.info.engine} engine serving {model.info.served_name!r} cannot be steered", param="layer")
-    if body.layer is None:
-        raise InvalidRequest("attach needs a layer", param="layer")
     sae_id = request.path_params["sae_id"]
-    await state.attach(sae_id, body.layer, model.info)
+    layer = attachment_layer(await state.sae(sae_id), body.layer)
+    await state.attach(sae_id, layer, model.info)
     sae = await state.sae(sae_id)
     return json_response(_info(state, sae_id, sae.path, sae))
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 from msgspec import Meta
+from prometheus_client import Counter
 
 from millm_core.api import (
     GENERATION_ENDPOINTS,
@@ -45,6 +46,7 @@ HEADER = "X-miLLM-Steering"
 INTENSITY_HEADER = "X-miLLM-Steering-Intensity"
 STREAM_KEY = "millm_steering"
 PLAN = StashKey[Plan]("steering.plan")
+USAGE = StashKey[Counter]("steering.usage")
 
 ProfileName = Annotated[str, Meta(min_length=1)]
 STEERING: RequestField[InlineSteering] = RequestField(
@@ -79,6 +81,10 @@ def millm_startup(app: AppContext) -> None:
     manual values, the active profile, the epoch) before the server is ready. The attached
     SAEs are loaded now; one that cannot be read is kept and reported as unusable."""
     app.stash[STATE] = SteeringState(store=app.store)
+    app.stash[USAGE] = Counter(
+        "millm_steered_requests", "Generation requests by the kind of steering they ran with (none, inline, profile, manual, unknown)",
+        ["kind"], registry=app.metrics,
+    )  # fmt: skip
 
 
 @hookimpl
@@ -134,6 +140,9 @@ def millm_finalize(ctx: RequestContext, request: Any, outcome: Outcome, out: Fin
         return
     steering = ctx.stash.get(PLAN, Plan(unknown="read_failed"))
     value = report(steering, changed=state_of(ctx.app).epoch != steering.epoch)
+    kinds = {"unknown"} if steering.unknown else ({entry.kind for entry in steering.entries} or {"none"})
+    for kind in sorted(kinds):
+        ctx.app.stash[USAGE].labels(kind).inc()
     if ctx.stream:
         out.extensions[STREAM_KEY] = value
     else:

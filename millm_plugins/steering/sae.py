@@ -13,8 +13,10 @@ A feature's steering direction is its decoder row ``W_dec[i]``; a steering delta
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -42,6 +44,16 @@ class SAE:
     threshold: np.ndarray | None = None
     k: int | None = None
     apply_b_dec_to_input: bool = False
+    hook_name: str | None = None  # SAELens' hook point, e.g. blocks.10.hook_resid_pre
+
+    @property
+    def hook_layer(self) -> int | None:
+        """The decoder block whose output (millm's attachment ``layer``) is the residual
+        stream this SAE was trained on: ``blocks.N.hook_resid_post`` is block N's output,
+        ``blocks.N.hook_resid_pre`` block N-1's. None when the hook is not recorded or not
+        a residual-stream point."""
+        point = hook_point(self.hook_name)
+        return None if point is None else point[0]
 
     @property
     def d_in(self) -> int:
@@ -76,6 +88,19 @@ class SAE:
     def check_model(self, d_model: int) -> None:
         if self.d_in != d_model:
             raise SAEFormatError(f"the SAE reads vectors of width {self.d_in}; the model's residual stream has width {d_model}", param="path")
+
+
+_HOOK = re.compile(r"^blocks\.(?P<block>\d+)\.hook_resid_(?P<where>pre|post)$")
+
+
+def hook_point(hook_name: str | None) -> tuple[int, str] | None:
+    """``(attachment layer, hook name)`` for a residual-stream hook. ``resid_pre`` of block
+    0 (the embeddings) has no block output to attach at: layer -1."""
+    match = _HOOK.match(hook_name or "")
+    if match is None:
+        return None
+    block = int(match["block"])
+    return (block if match["where"] == "post" else block - 1), str(hook_name)
 
 
 def _validate(path: str, arrays: dict[str, np.ndarray], architecture: str, k: int | None, apply_b_dec: bool) -> SAE:
@@ -124,6 +149,10 @@ def _load(path: str) -> SAE:
         architecture = str(cfg.get("architecture", "standard"))
         k = cfg.get("k") or cfg.get("activation_fn_kwargs", {}).get("k")
         sae = _validate(path, arrays, architecture, int(k) if k else None, bool(cfg.get("apply_b_dec_to_input", False)))
+        # SAELens v6 keeps hook_name under metadata; older versions at the top level.
+        hook = cfg.get("hook_name") or (cfg.get("metadata") or {}).get("hook_name")
+        if isinstance(hook, str):
+            sae = dataclasses.replace(sae, hook_name=hook)
         for key, value in (("d_in", sae.d_in), ("d_sae", sae.d_sae)):
             if key in cfg and int(cfg[key]) != value:
                 raise SAEFormatError(f"{path}: cfg.json says {key}={cfg[key]} but the weights have {value}", param="path")

@@ -183,3 +183,20 @@ def test_scoring_beside_a_steered_generation_stays_unsteered(steered_server) -> 
     assert results["steered"]["choices"] == alone_steered["choices"]
     assert results["score"]["choices"] == alone_score["choices"]
     assert results["score_header"] == "none"
+
+
+def test_steering_usage_is_counted_by_kind(steered_server) -> None:  # type: ignore[no-untyped-def]
+    """The steering plugin adds its own metric to the app's registry."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counts() -> dict[str, float]:
+        text = httpx.get(steered_server.base_url + "/metrics").text
+        return {s.labels["kind"]: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == "millm_steered_requests_total"}
+
+    before = counts()
+    chat(steered_server, steering={"sae_id": "alpha", "features": [{"index": 5, "strength": 2.0}]})
+    chat(steered_server, steering={"features": []})
+    chat(steered_server, steering={"features": []})
+    after = counts()
+    assert after.get("inline", 0) - before.get("inline", 0) == 1
+    assert after.get("none", 0) - before.get("none", 0) == 2

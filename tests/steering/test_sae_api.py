@@ -17,7 +17,7 @@ D_SAE = 48
 JSON = {"Content-Type": "application/json"}  # every write to /api says it sends JSON, a bodyless one too
 
 
-def write_sae(folder: pathlib.Path, d_in: int, seed: int = 0) -> str:
+def write_sae(folder: pathlib.Path, d_in: int, seed: int = 0, hook_name: str | None = None) -> str:
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(
@@ -29,7 +29,10 @@ def write_sae(folder: pathlib.Path, d_in: int, seed: int = 0) -> str:
         },
         str(folder / "sae_weights.safetensors"),
     )
-    (folder / "cfg.json").write_text(json.dumps({"d_in": d_in, "d_sae": D_SAE, "architecture": "standard"}))
+    cfg: dict[str, object] = {"d_in": d_in, "d_sae": D_SAE, "architecture": "standard"}
+    if hook_name is not None:
+        cfg["metadata"] = {"hook_name": hook_name}  # where SAELens v6 keeps it
+    (folder / "cfg.json").write_text(json.dumps(cfg))
     return str(folder)
 
 
@@ -43,6 +46,7 @@ def test_lifecycle_and_refusals(make_server, tiny_engine, tmp_path: pathlib.Path
         assert created.status_code == 201
         assert created.json() == {
             "id": "tiny-l1", "path": good, "status": "ok", "reason": None, "architecture": "standard", "d_in": d_model, "d_sae": D_SAE, "attached_layers": [],
+            "hook_name": None, "hook_layer": None,
         }  # fmt: skip
         derived = httpx.post(api, json={"path": good})
         assert derived.status_code == 201 and derived.json()["id"].endswith("--layer_1")
@@ -85,3 +89,33 @@ def test_steering_fields_are_refused_without_the_plugin(make_server, field) -> N
         assert httpx.get(srv.base_url + "/api/saes").status_code == 404  # no management API either
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["code"] == "field_not_honoured" and resp.json()["error"]["param"] == name
+
+
+def test_the_hook_point_decides_the_layer(make_server, tiny_engine, tmp_path: pathlib.Path) -> None:  # type: ignore[no-untyped-def]
+    """A resid_pre SAE of block 1 reads block 0's output: it attaches at layer 0, and
+    steers exactly as the same weights attached at layer 0 without a recorded hook do."""
+    d = tiny_engine.info.d_model
+    pre = write_sae(tmp_path / "pre", d, seed=4, hook_name="blocks.1.hook_resid_pre")
+    plain = write_sae(tmp_path / "plain", d, seed=4)
+    first = write_sae(tmp_path / "first", d, seed=4, hook_name="blocks.0.hook_resid_pre")
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}
+    with make_server() as srv:
+        url = srv.base_url + "/api/saes"
+        for path, name in ((pre, "pre"), (plain, "plain"), (first, "first")):
+            assert httpx.post(url, json={"path": path, "id": name}).status_code == 201
+        listed = httpx.get(url + "/pre").json()
+        assert (listed["hook_name"], listed["hook_layer"]) == ("blocks.1.hook_resid_pre", 0)
+        wrong = httpx.post(url + "/pre/attach", json={"layer": 1})
+        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "layer" and "layer 0" in wrong.json()["error"]["message"]
+        assert httpx.post(url + "/first/attach", json={}).status_code == 400  # the embeddings: no block output there
+        assert httpx.post(url + "/plain/attach", json={}).status_code == 400  # no hook recorded: a layer is needed
+        attached = httpx.post(url + "/pre/attach", json={})
+        assert attached.status_code == 200 and attached.json()["attached_layers"] == [0]
+        features = [{"index": 3, "strength": 6.0}]
+        via_hook = httpx.post(srv.base_url + "/v1/chat/completions", json={**chat, "steering": {"sae_id": "pre", "features": features}}).json()
+        assert httpx.post(url + "/pre/detach", json={}).status_code == 200
+        assert httpx.post(url + "/plain/attach", json={"layer": 0}).status_code == 200
+        via_layer = httpx.post(srv.base_url + "/v1/chat/completions", json={**chat, "steering": {"sae_id": "plain", "features": features}}).json()
+        unsteered = httpx.post(srv.base_url + "/v1/chat/completions", json={**chat, "steering": {"features": []}}).json()
+    text = [r["choices"][0]["message"]["content"] for r in (via_hook, via_layer, unsteered)]
+    assert text[0] == text[1] != text[2]
