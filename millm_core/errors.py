@@ -144,6 +144,13 @@ class InternalError(MillmError):
     code = "internal_error"
 
 
+class NonFiniteLogits(InternalError):
+    """500: a row's logits held NaN or ±inf; engines report it for that row alone
+    (:class:`~millm_core.jobs.RowsFailed`), so only its request fails."""
+
+    code = "non_finite_logits"
+
+
 class ConfigError(Exception):
     """Raised at start-up for a configuration that cannot be served (bad flag, missing
     model). The CLI prints it and exits non-zero; it never reaches an HTTP client."""

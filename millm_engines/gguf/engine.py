@@ -23,6 +23,8 @@ from millm_core.api import (
     ChatTemplateRefused,
     InvalidRequest,
     ModelInfo,
+    NonFiniteLogits,
+    RowsFailed,
     RowSpec,
     SamplingParams,
     generic_chat_text,
@@ -136,7 +138,10 @@ class GGUFEngine:
         return batch
 
     def join(self, batch: GGUFBatch, rows: Sequence[RowSpec]) -> None:
-        """Add rows to a running batch; their prompts run in the next step."""
+        """Add rows to a running batch; their prompts run in the next step. Checked before
+        anything changes, so a refused join leaves the running batch as it was."""
+        if len(rows) > len(self._free_seqs):
+            raise CapacityExceeded(f"{len(rows)} more sequences do not fit beside the running ones ({len(self._free_seqs)} free)", param="prompt")
         for spec in rows:
             reserve = len(spec.prompt_ids) + max(spec.max_new_tokens, 1)
             seq = self._free_seqs.pop(0)
@@ -155,11 +160,18 @@ class GGUFEngine:
         for start in range(0, len(pieces), limit):
             logits.extend(self.llm.decode(pieces[start : start + limit]))
         out: list[int] = []
-        for row, row_logits, bias in zip(batch.rows, logits, biases, strict=True):
+        broken: dict[int, BaseException] = {}
+        for index, (row, row_logits, bias) in enumerate(zip(batch.rows, logits, biases, strict=True)):
             row.n_past = len(row.tokens)
-            token = sample_row(row_logits, row.sampling, len(row.tokens), bias)
+            if not np.isfinite(row_logits).all():  # this row fails alone
+                broken[index] = NonFiniteLogits(f"row {index}'s logits are not finite (NaN or inf) at this step")
+                token = 0
+            else:
+                token = sample_row(row_logits, row.sampling, len(row.tokens), bias)
             row.tokens.append(token)
             out.append(token)
+        if broken:
+            raise RowsFailed(out, broken)
         return out
 
     def retain(self, batch: GGUFBatch, keep: Sequence[int]) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from millm_core.api import InternalError, ModelInfo, OutOfMemory, RowsFailed, RowSpec, SamplingParams
+from millm_core.api import ModelInfo, NonFiniteLogits, OutOfMemory, RowsFailed, RowSpec, SamplingParams
 
 from .chat import render_chat_ids
 from .fastpath import KVCache, LlamaDecoder
@@ -57,18 +57,14 @@ class HFBatch:
     draw_pos: list[int] | None = None
     # layer -> [rows, d_model] steering deltas (zero rows for unsteered rows).
     deltas: dict[int, torch.Tensor] | None = None
-    # Rows of other requests that joined after the prefill: prefilled at the next step.
+    # Rows of other requests that joined after the prefill, prefilled when they joined;
+    # their logits (``prefilled``) join the batch's at the next step.
     joining: list[HFBatch] = field(default_factory=list)
+    prefilled: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
         return len(self.params)
-
-
-class NonFiniteLogits(InternalError):
-    """500: a row's logits held NaN or ±inf; only that row's request fails."""
-
-    code = "non_finite_logits"
 
 
 def _non_finite_rows(logits: torch.Tensor) -> list[int]:
@@ -175,9 +171,10 @@ class TransformersEngine:
         else:
             logits = self._decode(batch)
         joining, batch.joining = batch.joining, []
-        for sub in joining:  # each joined request's prompts, prefilled on their own
-            sub.started = True
-            logits = torch.cat([logits, self._prefill(sub)])
+        for sub in joining:  # each joined request's prompts, prefilled on their own at join
+            assert sub.prefilled is not None
+            logits = torch.cat([logits, sub.prefilled])
+            sub.prefilled = None
             self._merge(batch, sub)
         logits = logits.float()
         broken = _non_finite_rows(logits)
@@ -206,8 +203,17 @@ class TransformersEngine:
         return self.fast is not None and self._rows + len(rows) <= self.max_rows
 
     def join(self, batch: HFBatch, rows: Sequence[RowSpec]) -> None:
+        """Prefill the joining rows now, on their own: if that fails (a bad row, no memory)
+        only the joining request fails and the running batch is untouched. Their logits
+        join the batch's at the next step."""
+        sub = self._new_batch(rows)
+        try:
+            sub.prefilled = self._prefill(sub)
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            raise OutOfMemory(f"the {self.device} device ran out of memory prefilling this request beside the running batch; retry") from exc
+        sub.started = True
         self._rows += len(rows)
-        batch.joining.append(self._new_batch(rows))
+        batch.joining.append(sub)
 
     def _merge(self, batch: HFBatch, sub: HFBatch) -> None:
         """Append a freshly prefilled ``sub`` to a running ``batch``: KV caches and masks
