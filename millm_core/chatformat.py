@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .errors import InvalidRequest
+
 
 def generic_chat_text(messages: Sequence[Mapping[str, Any]]) -> str:
     """The fallback format: one ``role: content`` line per message, then ``assistant:``."""
@@ -31,9 +33,21 @@ def split_continuation(messages: Sequence[Mapping[str, Any]]) -> tuple[Sequence[
     return messages, None
 
 
+# A rendered chat longer than this is refused before it is tokenised: a template cannot
+# turn a 4 MiB body into an unbounded prompt.
+MAX_RENDERED_CHARS = 16 * 2**20
+
+
 def render_with_continuation(render: Any, messages: Sequence[Mapping[str, Any]]) -> str:
     """``render(messages) -> text`` (with the generation prompt), continuing a trailing
-    assistant message."""
+    assistant message. A render past :data:`MAX_RENDERED_CHARS` is refused."""
     head, partial = split_continuation(messages)
     text = str(render(head))
-    return text if partial is None else text + partial
+    text = text if partial is None else text + partial
+    if len(text) > MAX_RENDERED_CHARS:
+        raise InvalidRequest(
+            f"the chat template renders these messages to {len(text)} characters; the limit is {MAX_RENDERED_CHARS}",
+            code="prompt_too_large",
+            param="messages",
+        )
+    return text

@@ -100,7 +100,6 @@ async def _serve(settings: Settings) -> None:
     config.bind = [f"{settings.host}:{settings.port}"]
     config.accesslog = None  # millm logs one access line per request itself
     config.errorlog = "-"
-    config.read_timeout = settings.read_timeout
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar, cast
 
@@ -84,11 +84,18 @@ class AppContext:
     model_thread: ModelThread
     # The app's Prometheus registry (``GET /metrics``): plugins may register their own metrics.
     metrics: CollectorRegistry
+    # The thread that renders chat templates and tokenises, off the event loop.
+    text_thread: Executor
     stash: Stash = field(default_factory=lambda: Stash())
 
     async def run_model(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the model thread (all model code runs there) and await it."""
         return await asyncio.wrap_future(self.model_thread.call(fn))
+
+    async def run_text(self, fn: Callable[[], T]) -> T:
+        """Run tokenising or other text work ``fn`` off the event loop, on the thread the
+        core tokenises prompts on (one: tokenizers are not safe across threads)."""
+        return await asyncio.get_running_loop().run_in_executor(self.text_thread, fn)
 
 
 @dataclass

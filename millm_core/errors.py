@@ -95,6 +95,14 @@ class PayloadTooLarge(MillmError):
     code = "request_too_large"
 
 
+class RequestTimeout(MillmError):
+    """408: the request body did not arrive within ``--read-timeout``."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class ServiceUnavailable(MillmError):
     """503: the server cannot take the request now; retrying later may succeed."""
 

@@ -123,11 +123,16 @@ class AccessMiddleware:
                 status = int(message["status"])
             await send(message)
 
+        failed = False
         try:
             await self.app(scope, receive, record_status)
+        except Exception:
+            failed = True  # answered by the outermost error handler, after this layer
+            raise
         finally:
             state = scope.get("state", {})
-            code = str(state.get("error_code", "")) if status >= 400 else ""
+            code = "internal_error" if failed else (str(state.get("error_code", "")) if status >= 400 else "")
+            status = 500 if failed else status
             self.metrics.requests.labels(route_of(self._routes(), scope), str(status), code).inc()
             log.info(
                 "request",

@@ -12,7 +12,7 @@ from .context import RequestContext
 from .contracts.chat import ChatCompletionRequest
 from .contracts.completions import CompletionRequest
 from .engine import Capability
-from .errors import ContextLengthExceeded, InvalidRequest
+from .errors import ContextLengthExceeded, InvalidRequest, ServiceUnavailable
 from .registry import ServedModel
 
 
@@ -60,9 +60,19 @@ async def render_prompts(
     """Render and tokenise the request's prompts on ``pool`` (never on the event loop),
     refusing a render that takes longer than ``timeout_s``; the ids are kept on ``ctx``."""
     loop = asyncio.get_running_loop()
+    started: list[bool] = []
+
+    def render() -> list[list[int]]:
+        started.append(True)
+        return prompt_ids(ctx, request, model)
+
     try:
-        ctx.prompts = await asyncio.wait_for(loop.run_in_executor(pool, prompt_ids, ctx, request, model), timeout_s)
+        ctx.prompts = await asyncio.wait_for(loop.run_in_executor(pool, render), timeout_s)
     except TimeoutError as exc:
+        if not started:  # it waited behind other renders all along: overload, not this prompt
+            raise ServiceUnavailable(
+                f"the prompt waited {timeout_s:g} s for the text thread behind other requests; retry shortly", code="render_busy"
+            ) from exc
         raise InvalidRequest(
             f"rendering and tokenising the prompt took longer than {timeout_s:g} s; send a shorter prompt",
             code="prompt_render_timeout",

@@ -55,8 +55,6 @@ class RunningServer:
             config.accesslog = None
             config.errorlog = None
             config.graceful_timeout = 1.0
-            # The app's own transport settings (``--read-timeout``), as ``millm serve`` applies them.
-            config.read_timeout = getattr(getattr(self.app, "state", None), "read_timeout", None)
             await serve(self.app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
 
         try:

@@ -370,7 +370,7 @@ def test_a_cancelled_model_call_leaves_the_queue_and_never_runs(scheduler: Sched
 
 def test_run_model_cancelled_while_queued_cancels_its_call(scheduler: Scheduler) -> None:
     engine = FakeEngine()
-    context = AppContext(settings=None, models=None, store=None, model_thread=scheduler, metrics=None)  # type: ignore[arg-type]
+    context = AppContext(settings=None, models=None, store=None, model_thread=scheduler, metrics=None, text_thread=None)  # type: ignore[arg-type]
     ran = threading.Event()
 
     async def main() -> None:

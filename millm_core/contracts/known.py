@@ -20,6 +20,11 @@ def _never(_value: Any) -> bool:
     return False
 
 
+def _number(expected: float) -> Callable[[Any], bool]:
+    """Neutral when the value is this number (a JSON boolean is not a number)."""
+    return lambda v: not isinstance(v, bool) and isinstance(v, int | float) and v == expected
+
+
 # field -> which sent values are neutral (null is always neutral).
 KNOWN_FIELDS: Mapping[str, Callable[[Any], bool]] = {
     # OpenAI
@@ -38,15 +43,15 @@ KNOWN_FIELDS: Mapping[str, Callable[[Any], bool]] = {
     "modalities": lambda v: v == ["text"],
     "echo": lambda v: v is False,
     "suffix": _never,
-    "best_of": lambda v: v == 1,
+    "best_of": _number(1),
     # OpenAI's generation fields, where an endpoint does not declare them (embeddings)
     "seed": _never,
-    "n": lambda v: v == 1,
+    "n": _number(1),
     # the API contract's extensions, and vLLM's that clients commonly send
     "top_k": _never,
-    "min_p": lambda v: v == 0,
-    "repetition_penalty": lambda v: v == 1,
-    "min_tokens": lambda v: v == 0,
+    "min_p": _number(0),
+    "repetition_penalty": _number(1),
+    "min_tokens": _number(0),
     "ignore_eos": lambda v: v is False,
     "allowed_token_ids": _never,
     "return_tokens_as_token_ids": lambda v: v is False,

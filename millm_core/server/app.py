@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -123,10 +124,11 @@ def create_app(
             app.state.startup_error = f"cannot open the database {db!r}: {exc}"
             raise ConfigError(app.state.startup_error) from exc
         metrics.watch_scheduler(scheduler.snapshot)
-        context = AppContext(settings=settings, models=registry, store=store, model_thread=scheduler, metrics=metrics.registry)
+        render_pool = ThreadPoolExecutor(1, thread_name_prefix="millm-text")
+        context = AppContext(settings=settings, models=registry, store=store, model_thread=scheduler, metrics=metrics.registry, text_thread=render_pool)
         state = AppState(
             app=context, host=host, policy=assembly.policy, scheduler=scheduler, request_types=assembly.request_types,
-            serves_embeddings=assembly.embeddings, metrics=metrics,
+            serves_embeddings=assembly.embeddings, metrics=metrics, render_pool=render_pool,
         )  # fmt: skip
         document = openapi_document(assembly.request_types, host.response_schemas(), host.documented_routes(), assembly.embeddings)
         state.openapi_json = render(document).encode()
@@ -199,5 +201,4 @@ def create_app(
     )  # fmt: skip
     app.add_middleware(AccessMiddleware, metrics=metrics, routes=lambda: app.routes)
     app.add_middleware(RequestIdMiddleware)
-    app.state.read_timeout = settings.read_timeout  # for the HTTP server that runs the app
     return app

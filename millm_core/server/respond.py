@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import structlog
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from ..codec import SSE_DONE, encode, sse_frame
 from ..context import RequestContext
@@ -27,7 +28,7 @@ from ..pipeline_types import Finalization, Outcome, Reply
 from ..registry import ServedModel
 from ..sfv import string_list
 from .errors import error_body, internal_error
-from .pipeline import Prepared, events, finalize, outcome, submit
+from .pipeline import Prepared, RunHandle, events, finalize, outcome, submit
 from .state import AppState
 
 log = structlog.get_logger("millm.respond")
@@ -157,7 +158,23 @@ def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
 
     headers = _headers(state, prepared)
     headers["Cache-Control"] = "no-cache"
-    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+    return JobStream(body(), handle, media_type="text/event-stream", headers=headers)
+
+
+class JobStream(StreamingResponse):
+    """A stream that cancels its job however the response ends, including when the
+    client left before the first chunk (the body generator then never starts, so its own
+    ``finally`` would never run)."""
+
+    def __init__(self, content: AsyncIterator[bytes], handle: RunHandle, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._handle = handle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._handle.job.cancel()  # a no-op for a job that already ended
 
 
 def encode_extension(response_id: str, created: int, model: str, shapes: Shapes, key: str, value: Any) -> bytes:

@@ -24,7 +24,8 @@ def app_context(request: Request) -> AppContext:
 async def read_json(request: Request, type_: type[T]) -> T:
     """The body decoded into ``type_`` (an empty body is ``{}``); over ``--max-body-bytes``
     it is 413, invalid JSON or a wrong value 400 naming the path."""
-    raw = await read_body(request, app_state(request).settings.max_body_bytes)
+    settings = app_state(request).settings
+    raw = await read_body(request, settings.max_body_bytes, settings.read_timeout)
     return convert(decode_json(raw or b"{}"), type_)
 
 

@@ -105,6 +105,8 @@ class GGUFEngine:
             )
         except TemplateError as exc:  # a template that cannot render these messages
             raise ChatTemplateRefused(f"the model's chat template refused the messages: {exc}", param="messages") from exc
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            raise ChatTemplateRefused(f"the model's chat template cannot render these messages: {type(exc).__name__}: {exc}", param="messages") from exc
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], /, **_: Any) -> list[int]:
         """The BOS rule: a render that begins with the BOS text gets no second BOS;

@@ -26,6 +26,9 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
         "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
         "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token",
+        # the tokenizer's special tokens and the template's own functions, which a variable would replace
+        "pad_token", "unk_token", "sep_token", "cls_token", "mask_token", "additional_special_tokens",
+        "raise_exception", "strftime_now",
     }
 )  # fmt: skip
 
@@ -53,6 +56,8 @@ def render_chat_text(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapp
                 return str(tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **dict(template_kwargs)))
             except TemplateError as exc:  # raise_exception(...) in the template, or a template error for these messages
                 raise ChatTemplateRefused(f"the model's chat template refused the messages: {exc}", param="messages") from exc
+            except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:  # the template choked on these values
+                raise ChatTemplateRefused(f"the model's chat template cannot render these messages: {type(exc).__name__}: {exc}", param="messages") from exc
         return generic_chat_text(head)
 
     return render_with_continuation(render, messages)

@@ -63,7 +63,12 @@ def millm_register_routes(register: Callable[..., None]) -> None:
     register("/v1/embeddings", model_endpoint("embeddings"), ["POST"])
 
 
-async def _embed(ctx: RequestContext, request: Any, model: ServedModel, engine: Embedder, ids: list[list[int]], pooling: str) -> Reply:
+async def _embed(ctx: RequestContext, request: Any, model: ServedModel, engine: Any, pooling: str) -> Reply:
+    texts = request.inputs()
+    single = isinstance(request.input, str)
+    # Tokenising up to --max-body-bytes of text runs off the event loop.
+    ids: list[list[int]] = await ctx.app.run_text(lambda: [engine.encode(text, add_special_tokens=True) for text in texts])
+    check_lengths([len(i) for i in ids], model.info.context_length, single)
     vectors = await ctx.app.run_model(lambda: engine.embed(ids, pooling))
     normalize = NORMALIZE.get(request) or False
     as_base64 = request.encoding_format == "base64"
@@ -87,9 +92,5 @@ def millm_execute(ctx: RequestContext, request: Any, model: ServedModel) -> Exec
     pooling = POOLING.get(request) or "mean"
     if pooling != "mean" and Capability.POOLINGS not in model.capabilities:
         raise FieldNotHonoured(f"pooling {pooling!r} is not available on the {model.info.engine} engine; it pools by mean only", param="pooling")
-    texts = request.inputs()
-    single = isinstance(request.input, str)
-    check_inputs(texts, single, MAX_INPUTS.get(ctx.settings))
-    ids = [engine.encode(text, add_special_tokens=True) for text in texts]
-    check_lengths([len(i) for i in ids], model.info.context_length, single)
-    return Compute(lambda: _embed(ctx, request, model, engine, ids, pooling))
+    check_inputs(request.inputs(), isinstance(request.input, str), MAX_INPUTS.get(ctx.settings))
+    return Compute(lambda: _embed(ctx, request, model, engine, pooling))

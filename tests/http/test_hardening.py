@@ -22,7 +22,7 @@ from millm_core.api import hookimpl
 from millm_core.config import load_settings
 from millm_core.server.app import build_host
 
-from .helpers import GatePlugin, scheduler_stats
+from .helpers import GatePlugin, scheduler_stats, wait_until
 
 MESSAGES = [{"role": "user", "content": "go"}]
 
@@ -280,13 +280,13 @@ def test_a_request_that_cannot_fit_in_memory_is_503_before_it_runs(make_server, 
 def test_slow_body_clients_are_capped_and_dropped(make_server) -> None:  # type: ignore[no-untyped-def]
     """A client that sends headers and then only part of its body holds a request slot:
     past --max-inflight others get 503 server_busy (health still answers), and after
-    --read-timeout the server drops it and the slot frees."""
+    --read-timeout it gets 408 and the slot frees."""
     with make_server(max_inflight=1, read_timeout=1) as srv:
         port = int(srv.base_url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port)) as slow:
             slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
-            deadline = time.monotonic() + 5
             busy = None
+            deadline = time.monotonic() + 5
             while time.monotonic() < deadline:
                 busy = httpx.get(srv.base_url + "/v1/models")
                 if busy.status_code == 503:
@@ -297,10 +297,72 @@ def test_slow_body_clients_are_capped_and_dropped(make_server) -> None:  # type:
             assert httpx.get(srv.base_url + "/api/health").status_code == 200
             slow.settimeout(10)
             started = time.monotonic()
-            answer = slow.recv(4096)  # the server gives up on the body after the read timeout
+            answer = b""  # the body did not arrive within the read timeout: read the whole answer
+            while b"request_timeout" not in answer and time.monotonic() - started < 5:
+                chunk = slow.recv(4096)
+                if not chunk:
+                    break
+                answer += chunk
             assert time.monotonic() - started < 5
-            assert answer == b"" or (answer.split(b" ", 2)[1] == b"400" and b"incomplete_body" in answer), answer[:200]
-        deadline = time.monotonic() + 10
-        while httpx.get(srv.base_url + "/v1/models").status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert httpx.get(srv.base_url + "/v1/models").status_code == 200
+            assert answer.split(b" ", 2)[1] == b"408" and b"request_timeout" in answer, answer[:200]
+        assert wait_until(lambda: httpx.get(srv.base_url + "/v1/models").status_code == 200)
+
+
+class NoEos:
+    """Keeps every row from ending early, so a generation lasts exactly max_tokens."""
+
+    def __init__(self, eos: frozenset[int]) -> None:
+        self.bias = {token: -1e9 for token in eos}
+
+    @hookimpl
+    def millm_pre_forward(self, ctx: Any, request: Any, plan: Any) -> None:
+        bias = self.bias
+
+        class _Processor:
+            def logit_bias(self) -> dict[int, float]:
+                return bias
+
+            def on_token(self, token_id: int, text: str) -> tuple[str, bool]:
+                return text, False
+
+            def flush(self) -> str:
+                return ""
+
+        plan.add_processor(lambda _row: _Processor())
+
+
+def test_the_read_timeout_never_cuts_a_long_generation(make_server, tiny_engine) -> None:  # type: ignore[no-untyped-def]
+    """--read-timeout bounds how long a client takes to send its request, not how long the
+    answer takes: generations of three times the timeout complete, streamed or not."""
+    host = build_host(load_settings(environ={}))
+    slow = GatePlugin(delay=0.1)  # 100 ms a token: 30 tokens take 3 s
+    slow.gate.set()
+    host.register(slow, "slow")
+    host.register(NoEos(tiny_engine.eos_token_ids), "no-eos")
+    with make_server(host=host, read_timeout=1) as srv:
+        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 30, "temperature": 0}
+        started = time.monotonic()
+        plain = httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=60)
+        assert plain.status_code == 200, plain.text
+        assert plain.json()["usage"]["completion_tokens"] == 30 and time.monotonic() - started > 2.5
+        streamed = httpx.post(srv.base_url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60)
+        assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n") and '"error"' not in streamed.text
+
+
+def test_a_stream_whose_client_leaves_before_the_first_chunk_is_cancelled(make_server) -> None:  # type: ignore[no-untyped-def]
+    host = build_host(load_settings(environ={}))
+    slow = GatePlugin(delay=0.02)
+    slow.gate.set()
+    host.register(slow, "slow")
+    with make_server(host=host) as srv:
+        port = int(srv.base_url.rsplit(":", 1)[1])
+        body = json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": 400, "temperature": 0, "stream": True}).encode()
+        request = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+        )  # fmt: skip
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(request)  # and close at once, before any chunk is read
+        assert wait_until(lambda: _stats(srv.base_url)["cancelled_rows"] == 1)
+        stats = _stats(srv.base_url)
+        assert stats["active_rows"] == 0 and stats["generated_tokens"] < 200

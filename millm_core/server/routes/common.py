@@ -16,7 +16,7 @@ from starlette.responses import Response
 from ...codec import convert, decode_json
 from ...context import Endpoint, RequestContext
 from ...contracts.known import KNOWN_FIELDS
-from ...errors import FieldNotHonoured, InvalidRequest, ModelNotLoaded, PayloadTooLarge
+from ...errors import FieldNotHonoured, InvalidRequest, ModelNotLoaded, PayloadTooLarge, RequestTimeout
 from ...fields import known_refusals
 from ...pipeline_types import Compute, Generate
 from ...prompts import render_prompts
@@ -41,21 +41,31 @@ def app_state(request: Request) -> AppState:
     return state
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 past ``limit`` bytes (checked while reading)."""
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The request body, refused with 413 past ``limit`` bytes (checked while reading) and
+    with 408 when the whole body takes longer than ``timeout_s`` to arrive (``--read-timeout``:
+    a slow-body client cannot hold a request slot; the response time is not limited)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"The request body ({declared} bytes) exceeds the limit of {limit} bytes")
     chunks: list[bytes] = []
     size = 0
-    try:
+
+    async def read() -> None:
+        nonlocal size
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
                 raise PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes")
             chunks.append(chunk)
-    except ClientDisconnect as exc:  # gone mid-body, or dropped after --read-timeout
-        raise InvalidRequest(f"The request body stopped after {size} bytes (client gone or too slow)", code="incomplete_body") from exc
+
+    try:
+        async with asyncio.timeout(timeout_s):
+            await read()
+    except ClientDisconnect as exc:  # gone mid-body
+        raise InvalidRequest(f"The request body stopped after {size} bytes (client gone)", code="incomplete_body") from exc
+    except TimeoutError as exc:
+        raise RequestTimeout(f"The request body did not arrive within {timeout_s:g} s ({size} bytes came); send it faster") from exc
     return b"".join(chunks)
 
 
@@ -68,7 +78,7 @@ async def decode_request(request: Request, endpoint: Endpoint) -> Admission:
         reason = f" ({state.load_error})" if state.load_error else " (still loading)" if state.loading else ""
         raise ModelNotLoaded(f"No model is loaded{reason}; retry when GET /api/health/ready answers 200")
     type_ = state.request_types[endpoint]
-    raw = decode_json(await read_body(request, state.settings.max_body_bytes))
+    raw = decode_json(await read_body(request, state.settings.max_body_bytes, state.settings.read_timeout))
     decoded = convert(raw, type_)
     ctx = RequestContext(
         request_id=request.scope.get("state", {}).get("request_id") or mint_request_id(),
