@@ -24,9 +24,13 @@ if TYPE_CHECKING:
 UNRECORDED = "unrecorded"
 
 
-class Capability(enum.Enum):
-    """What an engine can do. Requests needing a missing capability are refused in
-    validate, naming the field."""
+class Capability(enum.StrEnum):
+    """What an engine can do. Requests needing a missing capability are refused before
+    anything runs, naming the field.
+
+    The built-in names; capabilities are strings, so a third-party engine may advertise,
+    and a third-party feature plugin may require, a capability of its own by name (for
+    example ``"probes"``): ``Capability.STEERING == "steering"``."""
 
     GENERATE = "generate"
     SEED = "seed"
@@ -140,7 +144,7 @@ class Engine(Protocol):
     missing}``, quoted in refusals)."""
 
     info: ModelInfo
-    capabilities: frozenset[Capability]
+    capabilities: frozenset[str]
     eos_token_ids: frozenset[int]
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
@@ -248,7 +252,7 @@ class EngineFactory:
     engine's capabilities equal them)."""
 
     name: str
-    capabilities: frozenset[Capability]
+    capabilities: frozenset[str]
     can_load: Callable[[ModelLocation], bool]
     # Returns the engine: typed ``object`` because engines type their methods with their own
     # batch class; the core checks the result against :class:`Engine` when it loads.

@@ -19,7 +19,6 @@ import msgspec
 from .context import Endpoint
 from .contracts.known import KNOWN_FIELDS
 from .contracts.known import is_neutral as known_neutral
-from .engine import Capability
 from .requestfields import RequestField
 
 GENERATION_ENDPOINTS: tuple[Endpoint, ...] = ("chat.completions", "completions")  # the generation endpoints
@@ -33,7 +32,7 @@ class FieldRule:
     field: str
     endpoints: tuple[Endpoint, ...]
     by: str
-    requires: Capability | None = None
+    requires: str | None = None
     condition: str = ""
 
 
@@ -75,7 +74,7 @@ class FieldPolicy:
         check = CORE_NEUTRAL.get(name)
         return bool(check and check(value))
 
-    def honours(self, name: str, endpoint: Endpoint, capabilities: frozenset[Capability]) -> bool:
+    def honours(self, name: str, endpoint: Endpoint, capabilities: frozenset[str]) -> bool:
         return any(
             endpoint in rule.endpoints and (rule.requires is None or rule.requires in capabilities)
             for rule in self._rules.get(name, ())
@@ -84,7 +83,7 @@ class FieldPolicy:
     def why_refused(self, name: str, endpoint: Endpoint, engine: str) -> str:
         """Why ``name`` is not honoured on ``endpoint``: the capability the engine lacks,
         or that no enabled plugin honours (or declares) it."""
-        needed = sorted({r.requires.value for r in self._rules.get(name, ()) if endpoint in r.endpoints and r.requires})
+        needed = sorted({str(r.requires) for r in self._rules.get(name, ()) if endpoint in r.endpoints and r.requires})
         if needed:
             return f"the {engine} engine lacks the capability {' or '.join(needed)}"
         return "no enabled plugin honours it on this endpoint"
@@ -93,7 +92,7 @@ class FieldPolicy:
         self,
         request: msgspec.Struct,
         endpoint: Endpoint,
-        capabilities: frozenset[Capability],
+        capabilities: frozenset[str],
         always_honoured: Iterable[str],
     ) -> list[str]:
         """Names of fields sent with a non-neutral value that nothing honours."""
@@ -131,7 +130,7 @@ class PolicyCell(msgspec.Struct, frozen=True, kw_only=True):
 def policy_table(
     policy: FieldPolicy,
     contracts: Mapping[Endpoint, type[msgspec.Struct]],
-    engines: Iterable[tuple[str, frozenset[Capability]]],
+    engines: Iterable[tuple[str, frozenset[str]]],
     structural: Iterable[str],
 ) -> list[PolicyCell]:
     """Every declared request field of every endpoint, and every known output-changing
@@ -164,7 +163,7 @@ def policy_table(
                         condition = "; ".join(f"{r.condition} ({r.by})" for r in sorted(usable, key=lambda r: r.by))
                         cells.append(PolicyCell(field=name, endpoint=endpoint, engine=engine, status="honoured-with-condition", by=by, condition=condition))
                 elif rules:
-                    needed = ", ".join(sorted({r.requires.value for r in rules if r.requires}))
+                    needed = ", ".join(sorted({str(r.requires) for r in rules if r.requires}))
                     cells.append(PolicyCell(field=name, endpoint=endpoint, engine=engine, status="refused", reason=f"the engine lacks the capability {needed}"))
                 else:
                     cells.append(PolicyCell(field=name, endpoint=endpoint, engine=engine, status="refused", reason="no enabled plugin honours it on this endpoint"))

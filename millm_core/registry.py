@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .engine import Capability, Engine, ModelInfo
+from .engine import Engine, ModelInfo
 
 
 @dataclass
@@ -16,7 +16,7 @@ class ServedModel:
     engine: Engine
 
     @property
-    def capabilities(self) -> frozenset[Capability]:
+    def capabilities(self) -> frozenset[str]:
         return self.engine.capabilities
 
 

@@ -22,7 +22,6 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from .context import Endpoint
-from .engine import Capability
 from .errors import ConfigError
 
 T = TypeVar("T")
@@ -46,7 +45,7 @@ class RequestField(Generic[T]):
     endpoints: tuple[Endpoint, ...]
     owner: str
     neutral: Callable[[Any], bool] | None = None
-    requires: Capability | None = None
+    requires: str | None = None
     condition: str = ""
     description: str = ""
 

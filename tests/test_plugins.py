@@ -7,11 +7,13 @@ import importlib.metadata
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from millm_core.api import RequestField, hookimpl
 from millm_core.config import load_settings
 from millm_core.errors import ConfigError
 from millm_core.plugins import PluginHost
@@ -144,3 +146,30 @@ def test_third_party_field_is_decoded_checked_published_and_in_the_policy(instal
             (endpoint, engine, "honoured", "guard") for endpoint in ("chat.completions", "completions") for engine in ("transformers", "gguf")
         }
 
+
+
+class ProbeFieldPlugin:
+    """A third party's feature that needs a capability of its own, named by a string."""
+
+    @hookimpl
+    def millm_register_request_fields(self, register: Any) -> None:
+        register(RequestField("probe_depth", int, ("chat.completions",), owner="probes", requires="probes"))
+
+
+def test_a_plugin_may_require_and_an_engine_may_offer_a_capability_of_its_own(make_server, tiny_model) -> None:  # type: ignore[no-untyped-def]
+    host = build_host(load_settings(environ={}))
+    host.register(ProbeFieldPlugin(), "probes")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "probe_depth": 2}
+    with make_server(host=host, models=[tiny_model]) as srv:
+        refused = httpx.post(srv.base_url + "/v1/chat/completions", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "probe_depth"
+        assert "lacks the capability probes" in refused.json()["error"]["message"]
+        cell = next(c for c in httpx.get(srv.base_url + "/api/policy").json()["data"] if c["field"] == "probe_depth" and c["engine"] == "transformers")
+        assert cell["status"] == "refused" and "probes" in cell["reason"]
+    engine = tiny_model.engine
+    engine.capabilities = engine.capabilities | {"probes"}  # an engine that offers it
+    try:
+        with make_server(host=host, models=[tiny_model]) as srv:
+            assert httpx.post(srv.base_url + "/v1/chat/completions", json=body).status_code == 200
+    finally:
+        del engine.capabilities  # back to the class's declaration
