@@ -94,7 +94,7 @@ from .prompts import prompt_ids, refuse_empty
 from .registry import ModelRegistry, ServedModel
 from .requestfields import RequestField, request_types_with
 from .rng import uniform
-from .server.routes.common import model_endpoint
+from .server.routes.common import model_endpoint, until_disconnect
 from .server.web import app_context, json_response, read_json
 from .steering import AppliedSet
 from .store import Store
@@ -190,4 +190,5 @@ __all__ = [
     "request_types_with",
     "split_continuation",
     "uniform",
+    "until_disconnect",
 ]

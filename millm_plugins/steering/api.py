@@ -30,6 +30,7 @@ from millm_core.api import (
     app_context,
     json_response,
     read_json,
+    until_disconnect,
 )
 
 from .apply import Dials, plan_for, report
@@ -281,8 +282,13 @@ def _top_features(sae: SAE, residual: Any, top_k: int) -> tuple[Any, list[int]]:
 
 
 async def features(request: Request) -> Response:
-    """The SAE's strongest features on a text, read from the resident model, unsteered."""
+    """The SAE's strongest features on a text, read from the resident model, unsteered.
+    A client that disconnects cancels the work, queued model calls included."""
     body = await body_of(request, FeatureQuery)
+    return await until_disconnect(request, _features(request, body))
+
+
+async def _features(request: Request, body: FeatureQuery) -> Response:
     state, app = steering_state(request), app_context(request)
     sae_id = request.path_params["sae_id"]
     sae = await state.sae(sae_id)

@@ -163,15 +163,34 @@ class SteeringState:
         when the live state does not change. ``also`` is more SQL for the same transaction.
         Returns whether the live state changed (and the epoch moved)."""
         async with self.writing:
-            new = change(self.live)
+            before = self.live
+            new = change(before)
             if new is not None:
                 unusable = {e: u for e, u in new.unusable.items() if e in new.attachments}
-                new = replace(new, epoch=self.live.epoch + 1, unusable=unusable)
+                new = replace(new, epoch=before.epoch + 1, unusable=unusable)
             if new is not None or also is not None:
-                await asyncio.to_thread(self._write, new, also)
-            if new is not None:
-                self.live = new
+                write = asyncio.ensure_future(asyncio.to_thread(self._write, new, also))
+                try:
+                    await asyncio.shield(write)
+                except asyncio.CancelledError:
+                    # The write goes on in its thread: memory must follow the database
+                    # even when the request that asked for it is gone.
+                    await write
+                    self._apply(before, new)
+                    raise
+            self._apply(before, new)
             return new is not None
+
+    def _apply(self, before: Live, new: Live | None) -> None:
+        """Make ``new`` current, keeping the marks the model load (``check_model``) put on
+        attachments while the write was in flight, except those ``new`` itself cleared."""
+        if new is None:
+            return
+        if self.live is not before:
+            cleared = set(before.unusable) - set(new.unusable)
+            marks = {e: u for e, u in self.live.unusable.items() if e in new.attachments and e not in cleared}
+            new = replace(new, unusable={**marks, **new.unusable})
+        self.live = new
 
     def _write(self, new: Live | None, also: Write | None) -> None:
         with self.store.transaction() as conn:

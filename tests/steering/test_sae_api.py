@@ -119,3 +119,35 @@ def test_the_hook_point_decides_the_layer(make_server, tiny_engine, tmp_path: pa
         unsteered = httpx.post(srv.base_url + "/v1/chat/completions", json={**chat, "steering": {"features": []}}).json()
     text = [r["choices"][0]["message"]["content"] for r in (via_hook, via_layer, unsteered)]
     assert text[0] == text[1] != text[2]
+
+
+def test_a_features_query_whose_client_leaves_never_runs(make_server, tiny_engine, tmp_path: pathlib.Path) -> None:  # type: ignore[no-untyped-def]
+    """Queued behind a held generation, the query's model call leaves the queue as soon
+    as its client disconnects."""
+    import json as _json
+    import socket
+    import threading
+
+    from ..http.helpers import GatePlugin, scheduler_stats, wait_until
+
+    host = build_host(load_settings(environ={}))
+    gate = GatePlugin()
+    host.register(gate, "gate")
+    with make_server(host=host) as srv:
+        api = srv.base_url + "/api/saes"
+        assert httpx.post(api, json={"path": write_sae(tmp_path / "s", tiny_engine.info.d_model), "id": "s"}).status_code == 201
+        assert httpx.post(api + "/s/attach", json={"layer": 0}).status_code == 200
+        held = threading.Thread(target=lambda: httpx.post(srv.base_url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=60))
+        held.start()
+        assert wait_until(lambda: scheduler_stats(srv.base_url)["running_jobs"] == 1)
+        body = _json.dumps({"text": "some words to read", "top_k": 3}).encode()
+        port = int(srv.base_url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(
+                b"POST /api/saes/s/features HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+            )
+            assert wait_until(lambda: scheduler_stats(srv.base_url)["queued"] == 1)
+        assert wait_until(lambda: scheduler_stats(srv.base_url)["queued"] == 0)  # gone with its client
+        gate.gate.set()
+        held.join(30)

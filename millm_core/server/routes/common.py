@@ -144,7 +144,8 @@ async def _disconnected(request: Request) -> None:
 
 async def until_disconnect(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
     """Await ``work``, cancelling it as soon as the client disconnects: a non-streamed
-    request's rows are freed at the next step, and queued work never runs."""
+    request's rows are freed at the next step, and queued work never runs. For plugins'
+    own routes too: read the body first (``read_json``), then wrap the rest."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
