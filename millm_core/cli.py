@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
+import socket
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -16,6 +18,9 @@ from .commands import Command
 from .config import PARSERS, PluginSetting, Settings, env_name, load_settings
 from .errors import ConfigError
 from .logs import configure_logging
+
+if TYPE_CHECKING:
+    from hypercorn.config import Config
 
 log = structlog.get_logger("millm.cli")
 
@@ -39,6 +44,8 @@ _HELP = {
     "allowed_hosts": "comma-separated Host header values accepted (default: any)",
     "read_timeout": "seconds a client may take to send its request (default 30)",
     "max_inflight": "HTTP requests in flight (reading, queued or running) before new ones get 503 server_busy (default 256)",
+    "max_connections": "open client connections at once; more wait unaccepted until one closes (default 512, 0: no cap)",
+    "chat_template": "a Jinja chat template file to serve instead of the model's own (for example one that takes tools)",
     "threads": "CPU threads model code uses (default: the engine library's own choice)",
     "cache_dir": "where converted models are cached (default ~/.cache/millm)",
     "db": "the SQLite database for what persists (default ~/.local/share/millm/millm.db)",
@@ -80,10 +87,165 @@ def _overrides(args: argparse.Namespace, plugin_settings: Sequence[PluginSetting
     return out
 
 
-async def _serve(settings: Settings) -> None:
-    from hypercorn.asyncio import serve
+# hypercorn's idle timer runs from the moment a connection is accepted until a request's
+# headers are complete, and again between keep-alive requests: it is what bounds a client
+# that trickles its headers (or sends nothing). hypercorn's own ``read_timeout`` is the gap
+# allowed between two reads on the whole connection, a long non-streamed answer included
+# (the client sends nothing while it waits), so it stays unset: millm bounds the body itself
+# (``--read-timeout``).
+HEADER_TIMEOUT_S = 5
+MAX_HEADER_BYTES = 16 * 1024  # request line and headers; larger is 431 from h11
+ACCEPT_RETRY_S = 0.5  # after accept() fails (out of descriptors, say)
+
+
+def hypercorn_config(settings: Settings, *, bind: str | None = None, errorlog: str | None = "-") -> Config:
+    """hypercorn's settings for a millm server on ``bind`` (``host:port`` from
+    ``settings`` by default)."""
     from hypercorn.config import Config
 
+    config = Config()
+    config.bind = [bind or f"{settings.host}:{settings.port}"]
+    config.accesslog = None  # millm logs one access line per request itself
+    config.errorlog = errorlog
+    config.keep_alive_timeout = HEADER_TIMEOUT_S
+    config.h11_max_incomplete_size = MAX_HEADER_BYTES
+    config.read_timeout = None  # see HEADER_TIMEOUT_S
+    return config
+
+
+def _cap_of(app: object) -> int:
+    """The app's ``--max-connections``, read once its lifespan has started."""
+    settings = getattr(getattr(getattr(app, "state", None), "millm", None), "settings", None)
+    return settings.max_connections if isinstance(settings, Settings) else Settings().max_connections
+
+
+async def serve_app(
+    app: object, config: Config, *, shutdown_trigger: Callable[[], Awaitable[object]], max_connections: int | None = None
+) -> None:
+    """Serve the ASGI ``app`` on ``config.bind`` with hypercorn's protocol code, holding at
+    most ``max_connections`` client connections open at once (0: no cap; None: the app's
+    own ``--max-connections``), until ``shutdown_trigger`` returns.
+
+    hypercorn's ``serve`` accepts every connection it is offered, so a client opening
+    thousands of them can use up the process's descriptors. Here the accept loop takes a
+    free slot before it accepts: past the cap, new connections wait in the kernel's listen
+    backlog (``config.backlog``), costing this process nothing, and are accepted in turn as
+    open ones close. Open connections are served as usual. Lifespan and graceful shutdown
+    follow hypercorn's own ``serve``.
+    """
+    from hypercorn.asyncio.lifespan import Lifespan
+    from hypercorn.asyncio.tcp_server import TCPServer
+    from hypercorn.asyncio.worker_context import WorkerContext
+    from hypercorn.typing import LifespanState
+    from hypercorn.utils import wrap_app
+
+    class Connection(TCPServer):
+        async def _read_data(self) -> None:
+            await super()._read_data()
+            # The client closed its side: hypercorn has ended the request already, but its
+            # idle timer would keep the connection (and a slot) until it fires.
+            await self.idle_task.stop()
+
+    loop = asyncio.get_running_loop()
+    wrapped = wrap_app(app, config.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
+    lifespan_state: LifespanState = {}
+    lifespan = Lifespan(wrapped, config, loop, lifespan_state)
+    lifespan_task = loop.create_task(lifespan.handle_lifespan())
+    await lifespan.wait_for_startup()
+    failed = lifespan_task.exception() if lifespan_task.done() else None
+    if failed is not None:
+        raise failed
+    cap = _cap_of(app) if max_connections is None else max_connections
+    slots = asyncio.Semaphore(cap) if cap > 0 else None
+    context = WorkerContext(None)
+    connections: set[asyncio.Task[None]] = set()
+
+    async def connection(conn: socket.socket) -> None:
+        try:
+            reader = asyncio.StreamReader(loop=loop)
+            protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+            try:
+                transport, _ = await loop.connect_accepted_socket(lambda: protocol, conn)
+            except BaseException:
+                conn.close()
+                raise
+            writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+            await Connection(wrapped, loop, config, context, lifespan_state, reader, writer)
+        finally:
+            if slots is not None:
+                slots.release()
+
+    async def accept(listener: socket.socket) -> None:
+        while True:
+            if slots is not None:
+                await slots.acquire()  # at the cap: accept nothing until a connection closes
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as exc:
+                if slots is not None:
+                    slots.release()
+                log.warning("accept_failed", error=str(exc))
+                await asyncio.sleep(ACCEPT_RETRY_S)
+                continue
+            except BaseException:
+                if slots is not None:
+                    slots.release()
+                raise
+            task = loop.create_task(connection(conn))
+            connections.add(task)
+            task.add_done_callback(connections.discard)
+
+    listeners: list[socket.socket] = []
+    tasks: list[asyncio.Future[Any]] = []
+    accepting: list[asyncio.Task[None]] = []
+    try:
+        try:
+            listeners = config.create_sockets().insecure_sockets
+            for listener in listeners:
+                listener.listen(config.backlog)
+                listener.setblocking(False)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {', '.join(config.bind)}: {exc}") from exc
+        accepting = [loop.create_task(accept(listener)) for listener in listeners]
+        tasks = [asyncio.ensure_future(shutdown_trigger()), *accepting]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for listener in listeners:
+            listener.close()
+        await context.terminated.set()  # idle keep-alive connections close now
+        if connections:
+            _, late = await asyncio.wait(set(connections), timeout=config.graceful_timeout)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+        await lifespan.wait_for_shutdown()
+        lifespan_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await lifespan_task
+    for task in accepting:  # an accept loop that died for another reason than the shutdown
+        died = None if task.cancelled() else task.exception()
+        if died is not None:
+            raise died
+
+
+DESCRIPTORS_SPARE = 64  # for model files, the database, logs and worker threads
+
+
+def _check_descriptors(cap: int) -> None:
+    """Warn when the connection cap does not leave the process descriptors to spare."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on Unix
+        return
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (cap == 0 or cap > soft - DESCRIPTORS_SPARE):
+        log.warning("connection_cap_above_descriptor_limit", max_connections=cap or "none", descriptor_limit=soft, spare=DESCRIPTORS_SPARE)
+
+
+async def _serve(settings: Settings) -> None:
     from .loading import load, locate
     from .registry import ServedModel
     from .server.app import build_host, create_app
@@ -96,17 +258,15 @@ async def _serve(settings: Settings) -> None:
         return ServedModel(info=engine.info, engine=engine)
 
     app = create_app(settings, host=host, loader=loader)
-    config = Config()
-    config.bind = [f"{settings.host}:{settings.port}"]
-    config.accesslog = None  # millm logs one access line per request itself
-    config.errorlog = "-"
+    config = hypercorn_config(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    log.info("listening", url=f"http://{settings.host}:{settings.port}/v1")
+    _check_descriptors(settings.max_connections)
+    log.info("listening", url=f"http://{settings.host}:{settings.port}/v1", max_connections=settings.max_connections or None)
     try:
-        await serve(app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+        await serve_app(app, config, shutdown_trigger=stop.wait, max_connections=settings.max_connections)
     except Exception:
         # A start-up failure (database, a plugin's migrations) is the operator's to fix:
         # say what it was, without a traceback.

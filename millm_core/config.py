@@ -43,7 +43,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     read_timeout: int = 30
     # HTTP requests in flight (reading, waiting or running) before new ones get 503.
     max_inflight: int = 256
+    # Open client connections at once (0: no cap). Past it new connections wait in the
+    # kernel's listen backlog, unaccepted, until an open one closes.
+    max_connections: int = 512
     threads: int | None = None
+    # A Jinja chat template file served instead of the model's own (for example one that
+    # takes tools), as vLLM's --chat-template.
+    chat_template: str | None = None
     cache_dir: str | None = None
     db: str | None = None
     # Values of the settings plugins declared through ``millm_register_settings``; read
@@ -107,7 +113,9 @@ PARSERS: Mapping[str, object] = {
     "allowed_hosts": _csv,
     "read_timeout": int,
     "max_inflight": int,
+    "max_connections": int,
     "threads": _opt_int,
+    "chat_template": str,
     "cache_dir": str,
     "db": str,
 }
@@ -117,9 +125,7 @@ def env_name(field: str) -> str:
     return "MILLM_" + field.upper()
 
 
-def _plugin_values(
-    declared: Sequence[PluginSetting[Any]], overrides: Mapping[str, object], environ: Mapping[str, str]
-) -> dict[str, Any]:
+def _plugin_values(declared: Sequence[PluginSetting[Any]], overrides: Mapping[str, object], environ: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for setting in declared:
         if setting.name in PARSERS or setting.name in values:
@@ -170,6 +176,8 @@ def load_settings(
         raise ConfigError("--max-rows-per-request must be at least 1")
     if settings.max_inflight < 1:
         raise ConfigError("--max-inflight must be at least 1")
+    if settings.max_connections < 0:
+        raise ConfigError("--max-connections must be 0 (no cap) or more")
     if settings.read_timeout < 1:
         raise ConfigError("--read-timeout must be at least 1 second")
     return settings

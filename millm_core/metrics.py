@@ -6,6 +6,11 @@ inter-token latency) and, at scrape time, by the scheduler's counters.
 Plugins may add their own metrics to ``AppContext.metrics`` (a
 ``prometheus_client.CollectorRegistry``), for example the steering plugin's count of
 steered requests by kind.
+
+One app may be started more than once (served, stopped, served again). What a start
+registers (the scheduler's collector, the plugins' metrics) belongs to that start: the next
+start replaces it, so registering again is never a duplicate. The request and token metrics
+belong to the app and carry on across starts.
 """
 
 from __future__ import annotations
@@ -45,22 +50,55 @@ class _SchedulerCollector(Collector):
         yield CounterMetricFamily("millm_failed_jobs", "Requests that failed while running", value=stats.failed_jobs)
 
 
+class AppRegistry(CollectorRegistry):
+    """A registry that knows which collectors the current start of the app registered,
+    so that the next start can drop them before registering its own. Two registrations of
+    one name within a start are still refused."""
+
+    def __init__(self) -> None:
+        super().__init__(auto_describe=True)
+        self._this_start: list[Collector] | None = None  # None: before the first start
+
+    def register(self, collector: Collector) -> None:
+        super().register(collector)
+        if self._this_start is not None:
+            self._this_start.append(collector)
+
+    def new_start(self) -> None:
+        """Forget what the previous start registered (its scheduler, its plugins)."""
+        for collector in self._this_start or ():
+            self.unregister(collector)
+        self._this_start = []
+
+
 class Metrics:
     """The app's metrics. ``registry`` is what ``/metrics`` renders."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = AppRegistry()
         self.requests = Counter(
             "millm_requests", "HTTP requests by route template, status and error code", ["route", "status", "code"], registry=self.registry
         )
         self.prompt_tokens = Counter("millm_prompt_tokens", "Prompt tokens read", ["endpoint"], registry=self.registry)
         self.completion_tokens = Counter("millm_completion_tokens", "Completion tokens generated", ["endpoint"], registry=self.registry)
-        self.ttft = Histogram("millm_time_to_first_token_seconds", "Request start to its first token", buckets=TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram("millm_inter_token_latency_seconds", "Time between a request's successive tokens", buckets=ITL_BUCKETS, registry=self.registry)
-        self.step = Histogram("millm_scheduler_step_seconds", "Duration of one decode step (a batch's forward pass and sampling)", buckets=STEP_BUCKETS, registry=self.registry)
+        self.ttft = Histogram(
+            "millm_time_to_first_token_seconds", "Request start to its first token", buckets=TTFT_BUCKETS, registry=self.registry
+        )
+        self.itl = Histogram(
+            "millm_inter_token_latency_seconds", "Time between a request's successive tokens", buckets=ITL_BUCKETS, registry=self.registry
+        )
+        self.step = Histogram(
+            "millm_scheduler_step_seconds",
+            "Duration of one decode step (a batch's forward pass and sampling)",
+            buckets=STEP_BUCKETS,
+            registry=self.registry,
+        )
 
     def watch_scheduler(self, snapshot: Callable[[], Any]) -> None:
-        """Expose the scheduler's counters (read at scrape time)."""
+        """Expose the scheduler's counters (read at scrape time). The lifespan calls this
+        once per start, before the plugins start: it begins a new start, replacing what
+        the previous one registered (its scheduler's collector, the plugins' metrics)."""
+        self.registry.new_start()
         self.registry.register(_SchedulerCollector(snapshot))
 
     def tokens(self, endpoint: str, prompt: int, completion: int) -> None:

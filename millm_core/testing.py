@@ -22,17 +22,21 @@ if TYPE_CHECKING:
 
 
 class RunningServer:
-    """A real hypercorn server for an app, on 127.0.0.1 and a free port, in a thread.
+    """A real hypercorn server for an app, on 127.0.0.1 and a free port, in a thread,
+    served as ``millm serve`` serves it (the same hypercorn settings and connection cap).
 
     Use as a context manager; ``base_url`` is ``http://127.0.0.1:<port>``.
+    ``max_connections`` caps the open client connections (0: no cap); None takes the
+    app's own ``--max-connections`` setting.
     """
 
-    def __init__(self, app: object, host: str = "127.0.0.1") -> None:
+    def __init__(self, app: object, host: str = "127.0.0.1", *, max_connections: int | None = None) -> None:
         import socket
         import threading
 
         self.app = app
         self.host = host
+        self.max_connections = max_connections
         with socket.socket() as sock:
             sock.bind((host, 0))
             self.port = sock.getsockname()[1]
@@ -44,18 +48,15 @@ class RunningServer:
         self._error: BaseException | None = None
 
     def _run(self) -> None:
-        from hypercorn.asyncio import serve
-        from hypercorn.config import Config
+        from .cli import hypercorn_config, serve_app
+        from .config import Settings
 
         async def main() -> None:
             self._loop = asyncio.get_running_loop()
             stop = self._stop = asyncio.Event()
-            config = Config()
-            config.bind = [f"{self.host}:{self.port}"]
-            config.accesslog = None
-            config.errorlog = None
+            config = hypercorn_config(Settings(), bind=f"{self.host}:{self.port}", errorlog=None)
             config.graceful_timeout = 1.0
-            await serve(self.app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+            await serve_app(self.app, config, shutdown_trigger=stop.wait, max_connections=self.max_connections)
 
         try:
             asyncio.run(main())
@@ -119,7 +120,7 @@ def serve_models(
     for model in models:
         registry.add(model)
     app = create_app(settings, host=host, models=registry)
-    with RunningServer(app) as server:
+    with RunningServer(app, max_connections=settings.max_connections) as server:
         yield server
 
 

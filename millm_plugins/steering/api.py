@@ -1,9 +1,11 @@
 """The steering management API, part 1: SAEs (``/api/saes``) and the live manual values
 (``/api/steering``). Errors use the ``/v1`` error shape and statuses.
 
-Every write to the live state (attach, detach, manual values) moves the steering epoch,
-and is persisted before it takes effect (see :mod:`.registry`). Blocking work (SAE files,
-SQLite, ``sae.encode``) runs off the event loop; model code runs on the model thread.
+Every write to the live state (attach, detach, manual values) that changes it moves the
+steering epoch, and is persisted before it takes effect (see :mod:`.registry`). Reads
+answer from the snapshot after checking the database for other servers' writes. Blocking
+work (SAE files, SQLite, ``sae.encode``) runs off the event loop; model code runs on the
+model thread.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from .apply import Dials, plan_for, report
 from .inline import Feature
 from .live import Live
 from .profiles import check_features
-from .registry import SteeringState
+from .registry import SteeringState, entry_of, require_usable
 from .sae import SAE, SAEFormatError
 
 STATE = StashKey[SteeringState]("steering.state")
@@ -50,8 +52,12 @@ def _fraction(value: str) -> float:
     return number
 
 
-FLOOR = PluginSetting("cluster_intensity_min", 0.5, 'the dial\'s "min" for clusters and profiles that declare no intensity_range', _fraction)
-CEILING = PluginSetting("cluster_intensity_max", 2.0, 'the dial\'s "max" (and cap) for clusters and profiles that declare no intensity_range', _fraction)
+FLOOR = PluginSetting(
+    "cluster_intensity_min", 0.5, 'the dial\'s "min" for clusters and profiles that declare no intensity_range', _fraction
+)
+CEILING = PluginSetting(
+    "cluster_intensity_max", 2.0, 'the dial\'s "max" (and cap) for clusters and profiles that declare no intensity_range', _fraction
+)
 
 
 class RegisterSAE(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -199,18 +205,28 @@ def describe(state: SteeringState, sae_id: str, path: str) -> SAEInfo:
     try:
         return _info(state, sae_id, path, state.get(sae_id))
     except SAEFormatError as exc:
-        return SAEInfo(id=sae_id, path=path, status="unreadable", reason=exc.message, architecture=None, d_in=None, d_sae=None, attached_layers=state.layers_of(sae_id))
+        return SAEInfo(
+            id=sae_id,
+            path=path,
+            status="unreadable",
+            reason=exc.message,
+            architecture=None,
+            d_in=None,
+            d_sae=None,
+            attached_layers=state.layers_of(sae_id),
+        )
 
 
 async def register_sae(request: Request) -> Response:
     body = await body_of(request, RegisterSAE)
     state = steering_state(request)
-    sae_id, sae = await asyncio.to_thread(state.register, body.path, body.id)
+    sae_id, sae = await state.register(body.path, body.id)
     return json_response(_info(state, sae_id, body.path, sae), status=201)
 
 
 async def list_saes(request: Request) -> Response:
     state = steering_state(request)
+    await state.refresh()
 
     def listing() -> SAEList:
         return SAEList(data=[describe(state, i, p) for i, p in state.registered()])
@@ -223,7 +239,9 @@ async def _described(state: SteeringState, sae_id: str) -> SAEInfo:
 
 
 async def get_sae(request: Request) -> Response:
-    return json_response(await _described(steering_state(request), request.path_params["sae_id"]))
+    state = steering_state(request)
+    await state.refresh()
+    return json_response(await _described(state, request.path_params["sae_id"]))
 
 
 async def delete_sae(request: Request) -> Response:
@@ -237,7 +255,9 @@ def attachment_layer(sae: SAE, asked: int | None) -> int:
     ``hook_resid_pre`` of block N is block N-1's output), else the layer asked for."""
     native = sae.hook_layer
     if native is not None and native < 0:
-        raise InvalidRequest(f"this SAE reads {sae.hook_name} (the embeddings, before any block): there is no block output to steer there", param="layer")
+        raise InvalidRequest(
+            f"this SAE reads {sae.hook_name} (the embeddings, before any block): there is no block output to steer there", param="layer"
+        )
     if native is not None and asked is not None and asked != native:
         raise InvalidRequest(
             f"this SAE was trained on {sae.hook_name}, which is the output of block {native}; attach it at layer {native} (or omit layer)",
@@ -291,9 +311,10 @@ async def features(request: Request) -> Response:
 async def _features(request: Request, body: FeatureQuery) -> Response:
     state, app = steering_state(request), app_context(request)
     sae_id = request.path_params["sae_id"]
+    live = await state.refresh()
     sae = await state.sae(sae_id)
-    entry = state.entry(sae_id, body.layer)
-    state.usable(entry)
+    entry = entry_of(live, sae_id, body.layer)
+    require_usable(live, entry)
     layer = entry[1]
     if not 1 <= body.top_k <= 100:
         raise InvalidRequest("top_k must be 1–100", param="top_k")
@@ -307,10 +328,17 @@ async def _features(request: Request, body: FeatureQuery) -> Response:
     if not ids:
         raise InvalidRequest("text has no tokens", param="text")
     if len(ids) > model.info.context_length:
-        raise InvalidRequest(f"text is {len(ids)} tokens; the model reads at most {model.info.context_length}", code="context_length_exceeded", param="text")
+        raise InvalidRequest(
+            f"text is {len(ids)} tokens; the model reads at most {model.info.context_length}", code="context_length_exceeded", param="text"
+        )
     residual = await app.run_model(lambda: engine.residuals([ids], layer)[0])
     acts, order = await asyncio.to_thread(_top_features, sae, residual, body.top_k)
-    hits = [FeatureHit(index=i, max=float(acts[:, i].max()), mean=float(acts[:, i].mean()), token=engine.decode([ids[int(acts[:, i].argmax())]])) for i in order]
+    hits = [
+        FeatureHit(
+            index=i, max=float(acts[:, i].max()), mean=float(acts[:, i].mean()), token=engine.decode([ids[int(acts[:, i].argmax())]])
+        )
+        for i in order
+    ]
     return json_response(FeatureReport(sae_id=sae_id, layer=layer, tokens=len(ids), features=hits))
 
 
@@ -320,23 +348,29 @@ class _NoFields:
     steering = profile = steering_intensity = None
 
 
-def live_state(state: SteeringState, dials: Dials, live: Live) -> LiveState:
-    """The live state ``live`` as reported (blocking: reads the active profile)."""
-    manual = [ManualEntry(sae_id=s, layer=layer, features=[Feature(index=i, strength=v) for i, v in sorted(values.items())]) for (s, layer), values in live.manual.items()]
+def live_state(dials: Dials, live: Live) -> LiveState:
+    """The live state ``live`` as reported."""
+    manual = [
+        ManualEntry(sae_id=s, layer=layer, features=[Feature(index=i, strength=v) for i, v in sorted(values.items())])
+        for (s, layer), values in live.manual.items()
+    ]
     active = ActiveProfile(name=live.active[0], sae_id=live.active[1][0], layer=live.active[1][1]) if live.active else None
-    value = report(plan_for(_NoFields(), state, state.book, dials, live), changed=False)
+    value = report(plan_for(_NoFields(), live, dials), changed=False)
     unusable = [UnusableAttachment(sae_id=s, layer=layer, reason=u.reason, message=u.message) for (s, layer), u in live.unusable.items()]
-    return LiveState(epoch=live.epoch, attached=list(live.attachments), manual=manual, active_profile=active, steering=value, unusable=unusable)
+    return LiveState(
+        epoch=live.epoch, attached=list(live.attachments), manual=manual, active_profile=active, steering=value, unusable=unusable
+    )
 
 
-async def live_response(request: Request) -> Response:
-    """``GET /api/steering``'s body for the state now (read off the event loop)."""
-    state = steering_state(request)
-    return json_response(await asyncio.to_thread(live_state, state, dials_of(app_context(request)), state.live))
+def live_response(request: Request) -> Response:
+    """``GET /api/steering``'s body for the current snapshot (after a write: the state it
+    made current)."""
+    return json_response(live_state(dials_of(app_context(request)), steering_state(request).live))
 
 
 async def get_steering(request: Request) -> Response:
-    return await live_response(request)
+    await steering_state(request).refresh()
+    return live_response(request)
 
 
 async def put_steering(request: Request) -> Response:
@@ -344,15 +378,15 @@ async def put_steering(request: Request) -> Response:
     state = steering_state(request)
     sae_id = body.sae_id
     if sae_id is None:
-        saes = sorted({s for s, _ in state.attachments})
+        saes = sorted({s for s, _ in (await state.refresh()).attachments})
         if len(saes) != 1:
             raise InvalidRequest(f"name the SAE with sae_id: {len(saes)} SAEs are attached {saes}", param="sae_id")
         sae_id = saes[0]
     sae = await state.sae(sae_id)
 
     def change(live: Live) -> Live:
-        entry = state.entry(sae_id, body.layer)
-        state.usable(entry)
+        entry = entry_of(live, sae_id, body.layer)
+        require_usable(live, entry)
         check_features(body.features, sae.d_sae)
         manual = {e: v for e, v in live.manual.items() if e != entry}
         if body.features:
@@ -362,12 +396,12 @@ async def put_steering(request: Request) -> Response:
         return replace(live, manual=manual, active=active)
 
     await state.commit(change)
-    return await live_response(request)
+    return live_response(request)
 
 
 async def delete_steering(request: Request) -> Response:
     await steering_state(request).commit(lambda live: replace(live, manual={}, active=None))
-    return await live_response(request)
+    return live_response(request)
 
 
 Route = tuple[str, Any, list[str], RouteDoc]
@@ -378,11 +412,36 @@ ROUTES: tuple[Route, ...] = (
     ("/api/saes", register_sae, ["POST"], RouteDoc("Register an SAE from local files", RegisterSAE, SAEInfo, 201, ("400", "409", "503"))),
     ("/api/saes", list_saes, ["GET"], RouteDoc("Registered SAEs", response=SAEList, errors=())),
     ("/api/saes/{sae_id}", get_sae, ["GET"], RouteDoc("One SAE", response=SAEInfo, errors=("404",))),
-    ("/api/saes/{sae_id}", delete_sae, ["DELETE"], RouteDoc("Forget an SAE (detaching it everywhere)", response=SAEDeleted, errors=("404", "503"))),
-    ("/api/saes/{sae_id}/attach", attach_sae, ["POST"], RouteDoc("Attach at a decoder block's output", AttachSAE, SAEInfo, errors=("400", "404", "503"))),
+    (
+        "/api/saes/{sae_id}",
+        delete_sae,
+        ["DELETE"],
+        RouteDoc("Forget an SAE (detaching it everywhere)", response=SAEDeleted, errors=("404", "503")),
+    ),
+    (
+        "/api/saes/{sae_id}/attach",
+        attach_sae,
+        ["POST"],
+        RouteDoc("Attach at a decoder block's output", AttachSAE, SAEInfo, errors=("400", "404", "503")),
+    ),
     ("/api/saes/{sae_id}/detach", detach_sae, ["POST"], RouteDoc("Detach (at one layer, or all)", AttachSAE, SAEDetached, errors=WRITE)),
-    ("/api/saes/{sae_id}/features", features, ["POST"], RouteDoc("The SAE's strongest features on a text", FeatureQuery, FeatureReport, errors=("400", "404", "409", "503"))),
+    (
+        "/api/saes/{sae_id}/features",
+        features,
+        ["POST"],
+        RouteDoc("The SAE's strongest features on a text", FeatureQuery, FeatureReport, errors=("400", "404", "409", "503")),
+    ),
     ("/api/steering", get_steering, ["GET"], RouteDoc("The live steering state", response=LiveState, errors=())),
-    ("/api/steering", put_steering, ["PUT"], RouteDoc("Set the manual values of one attached SAE", ManualValues, LiveState, errors=(*WRITE, "409"))),
-    ("/api/steering", delete_steering, ["DELETE"], RouteDoc("Clear manual values and deactivate the active profile", response=LiveState, errors=("503",))),
+    (
+        "/api/steering",
+        put_steering,
+        ["PUT"],
+        RouteDoc("Set the manual values of one attached SAE", ManualValues, LiveState, errors=(*WRITE, "409")),
+    ),
+    (
+        "/api/steering",
+        delete_steering,
+        ["DELETE"],
+        RouteDoc("Clear manual values and deactivate the active profile", response=LiveState, errors=("503",)),
+    ),
 )

@@ -1,15 +1,16 @@
 """The steering management API, part 2: profiles (``/api/profiles``) and imported
 clusters with their intensity dial (``/api/clusters``).
 
-Profiles, clusters and which one is active persist in the database. Activating,
-deactivating, deleting the active one and turning an active cluster's dial move the
-steering epoch. An import writes all of its profiles in one transaction. SQLite and SAE
-files are read off the event loop.
+Profiles, clusters and which one is active persist in the database and are held in the
+steering snapshot (see :mod:`.registry`). Activating, deactivating, deleting the active
+one and turning an active cluster's dial move the steering epoch. An import writes all of
+its profiles in one transaction. SQLite and SAE files are read off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -30,10 +31,13 @@ from .profiles import (
     Dial,
     Profile,
     ProfileExport,
+    added,
     check_dial,
     check_features,
     check_name,
+    cluster_named,
     cluster_profile,
+    named,
     with_intensity,
 )
 from .registry import SteeringState
@@ -80,12 +84,20 @@ class Intensity(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     intensity: float
 
 
-def _info(state: SteeringState, profile: Profile) -> ProfileInfo:
-    active = state.active is not None and state.active[0] == profile.name
-    return ProfileInfo(name=profile.name, sae_id=profile.sae_id, layer=profile.layer, features=list(profile.features), active=active, cluster=profile.cluster)
+def _info(live: Live, profile: Profile) -> ProfileInfo:
+    active = live.active is not None and live.active[0] == profile.name
+    return ProfileInfo(
+        name=profile.name,
+        sae_id=profile.sae_id,
+        layer=profile.layer,
+        features=list(profile.features),
+        active=active,
+        cluster=profile.cluster,
+    )
 
 
 def _validate(state: SteeringState, profile: Profile) -> None:
+    """Check a profile against its SAE (blocking: may read the SAE's files)."""
     check_name(profile.name)
     if profile.layer < 0:
         raise InvalidRequest("layer must be ≥ 0", param="layer")
@@ -101,18 +113,25 @@ def _replace(request: Request) -> bool:
     return request.query_params.get("replace", "false").lower() in ("1", "true", "yes")
 
 
-async def _activate(request: Request, profile: Profile) -> Response:
+async def _current(request: Request) -> Live:
+    """The snapshot, with other servers' writes picked up (off the event loop)."""
+    return await steering_state(request).refresh()
+
+
+async def _activate(request: Request, find: Callable[[Mapping[str, Profile]], Profile]) -> Response:
+    """Activate the profile ``find`` picks from the state the write sees."""
     state = steering_state(request)
     dials = dials_of(app_context(request))
-    entry = (profile.sae_id, profile.layer)
 
     def change(live: Live) -> Live:
-        profile_entry(profile, "active", None, state, dials, live)  # refuses what could not apply
+        profile = find(live.profiles)
+        entry = (profile.sae_id, profile.layer)
+        profile_entry(profile, "active", None, live, dials)  # refuses what could not apply
         manual = {e: v for e, v in live.manual.items() if e != entry}  # the profile claims its entry
         return replace(live, manual=manual, active=(profile.name, entry))
 
     await state.commit(change)
-    return await live_response(request)
+    return live_response(request)
 
 
 async def _deactivate(request: Request, only: str | None = None) -> Response:
@@ -120,23 +139,30 @@ async def _deactivate(request: Request, only: str | None = None) -> Response:
         return replace(live, active=None) if live.active is not None and (only is None or live.active[0] == only) else None
 
     await steering_state(request).commit(change)
-    return await live_response(request)
+    return live_response(request)
 
 
-async def _delete(request: Request, name: str) -> Response:
-    """Delete the profile, deactivating it if it is active (one transaction)."""
+async def _delete(request: Request, find: Callable[[Mapping[str, Profile]], Profile]) -> Response:
+    """Delete the profile ``find`` picks, deactivating it if it is active (one write)."""
     state = steering_state(request)
-    await asyncio.to_thread(state.book.get, name)  # 404 for an unknown name
+    name = ""
 
-    def change(live: Live) -> Live | None:
-        return replace(live, active=None) if live.active is not None and live.active[0] == name else None
+    def change(live: Live) -> Live:
+        nonlocal name
+        name = find(live.profiles).name
+        active = None if live.active is not None and live.active[0] == name else live.active
+        return replace(live, profiles={n: p for n, p in live.profiles.items() if n != name}, active=active)
 
-    await state.commit(change, also=lambda conn: state.book.remove(conn, name))
+    await state.commit(change)
     return json_response(ProfileDeleted(name=name, deleted=True))
 
 
-async def _get(request: Request, name: str) -> Profile:
-    return await asyncio.to_thread(steering_state(request).book.get, name)
+def _profile(name: str) -> Callable[[Mapping[str, Profile]], Profile]:
+    return lambda profiles: named(profiles, name)
+
+
+def _cluster(name: str) -> Callable[[Mapping[str, Profile]], Profile]:
+    return lambda profiles: cluster_named(profiles, name)
 
 
 # ------------------------------------------------------------------ profiles
@@ -147,30 +173,27 @@ async def create_profile(request: Request) -> Response:
     if body.cluster is not None:
         raise InvalidRequest("clusters are created with POST /api/clusters/import", param="cluster")
     state = steering_state(request)
-
-    def create() -> None:
-        _validate(state, body)
-        state.book.add(body)
-
-    await asyncio.to_thread(create)
-    return json_response(_info(state, body), status=201)
+    await asyncio.to_thread(_validate, state, body)
+    live = await state.commit(lambda live: replace(live, profiles=added(live.profiles, [body], replace=False, param="name")))
+    return json_response(_info(live, body), status=201)
 
 
 async def list_profiles(request: Request) -> Response:
-    state = steering_state(request)
-    return json_response(ProfileList(data=[_info(state, p) for p in await asyncio.to_thread(state.book.all)]))
+    live = await _current(request)
+    return json_response(ProfileList(data=[_info(live, p) for _, p in sorted(live.profiles.items())]))
 
 
 async def get_profile(request: Request) -> Response:
-    return json_response(_info(steering_state(request), await _get(request, request.path_params["name"])))
+    live = await _current(request)
+    return json_response(_info(live, named(live.profiles, request.path_params["name"])))
 
 
 async def delete_profile(request: Request) -> Response:
-    return await _delete(request, request.path_params["name"])
+    return await _delete(request, _profile(request.path_params["name"]))
 
 
 async def activate_profile(request: Request) -> Response:
-    return await _activate(request, await _get(request, request.path_params["name"]))
+    return await _activate(request, _profile(request.path_params["name"]))
 
 
 async def deactivate_profile(request: Request) -> Response:
@@ -178,21 +201,23 @@ async def deactivate_profile(request: Request) -> Response:
 
 
 async def active_profile(request: Request) -> Response:
-    state = steering_state(request)
-    active = state.active
-    return json_response(ActiveInfo(active=_info(state, await _get(request, active[0])) if active else None))
+    live = await _current(request)
+    active = live.active_profile()
+    return json_response(ActiveInfo(active=_info(live, active) if active else None))
 
 
 async def export_all(request: Request) -> Response:
-    return json_response(ProfileExport(profiles=await asyncio.to_thread(steering_state(request).book.all)))
+    live = await _current(request)
+    return json_response(ProfileExport(profiles=[p for _, p in sorted(live.profiles.items())]))
 
 
 async def export_one(request: Request) -> Response:
-    return json_response(ProfileExport(profiles=[await _get(request, request.path_params["name"])]))
+    live = await _current(request)
+    return json_response(ProfileExport(profiles=[named(live.profiles, request.path_params["name"])]))
 
 
-def _import(state: SteeringState, document: ProfileExport, replace: bool) -> list[str]:
-    """Check every profile, then write them all in one transaction (blocking)."""
+def _check_import(state: SteeringState, document: ProfileExport) -> None:
+    """Check every profile (blocking: may read SAE files)."""
     for position, profile in enumerate(document.profiles):
         try:
             _validate(state, profile)
@@ -204,8 +229,6 @@ def _import(state: SteeringState, document: ProfileExport, replace: bool) -> lis
     names = [p.name for p in document.profiles]
     if len(set(names)) != len(names):
         raise InvalidRequest("the document names a profile twice", param="profiles")
-    state.book.add_many(document.profiles, replace=replace)
-    return names
 
 
 async def import_profiles(request: Request) -> Response:
@@ -215,26 +238,13 @@ async def import_profiles(request: Request) -> Response:
     body = await body_of(request, ProfileExport)
     if body.format != EXPORT_FORMAT:
         raise InvalidRequest(f"format {body.format!r} is not {EXPORT_FORMAT}", param="format")
-    names = await asyncio.to_thread(_import, steering_state(request), body, _replace(request))
-    return json_response(Imported(imported=names), status=201)
+    state, overwrite = steering_state(request), _replace(request)
+    await asyncio.to_thread(_check_import, state, body)
+    await state.commit(lambda live: replace(live, profiles=added(live.profiles, body.profiles, replace=overwrite)))
+    return json_response(Imported(imported=[p.name for p in body.profiles]), status=201)
 
 
 # ------------------------------------------------------------------ clusters
-
-
-def _cluster(state: SteeringState, name: str) -> Profile:
-    """The cluster named ``name`` (blocking: reads the database)."""
-    try:
-        profile = state.book.get(name)
-    except NotFound:
-        profile = None
-    if profile is None or profile.cluster is None:
-        raise NotFound(f"no cluster named {name!r}", code="cluster_not_found", param="id")
-    return profile
-
-
-async def _named_cluster(request: Request) -> Profile:
-    return await asyncio.to_thread(_cluster, steering_state(request), request.path_params["name"])
 
 
 async def import_cluster(request: Request) -> Response:
@@ -243,9 +253,9 @@ async def import_cluster(request: Request) -> Response:
     raw = await body_of(request, dict[str, Any])
     doc = convert(raw, ClusterDocument)
     state = steering_state(request)
-    live = state.live
+    live = await state.refresh()
     # Attached, usable SAEs are loaded; an unusable attachment is never a candidate.
-    widths = {(s, layer): state.loaded[s].d_sae for s, layer in live.attachments if (s, layer) not in live.unusable and s in state.loaded}
+    widths = {(s, layer): live.saes[s].d_sae for s, layer in live.attachments if (s, layer) not in live.unusable}
     candidates = [s for (s, layer), width in widths.items() if layer == doc.sae.layer and width == doc.sae.n_features]
     if not candidates:
         attached = [(s, layer, width) for (s, layer), width in widths.items()]
@@ -257,53 +267,60 @@ async def import_cluster(request: Request) -> Response:
         raise InvalidRequest(f"several SAEs of width {doc.sae.n_features} are attached at layer {doc.sae.layer}: {candidates}", param="sae")
     check_name(doc.name)
     profile = cluster_profile(doc, candidates[0])
-    await asyncio.to_thread(state.book.add, profile, replace=_replace(request))  # one row, one transaction
+    overwrite = _replace(request)
+    live = await state.commit(lambda live: replace(live, profiles=added(live.profiles, [profile], replace=overwrite, param="name")))
     known = {"name", "sae", "members", "budget"}
     ignored = sorted(k for k in raw if k not in known) if isinstance(raw, dict) else []
-    return json_response(ClusterImported(**msgspec.structs.asdict(_info(state, profile)), ignored_fields=ignored), status=201)
+    return json_response(ClusterImported(**msgspec.structs.asdict(_info(live, profile)), ignored_fields=ignored), status=201)
 
 
 async def list_clusters(request: Request) -> Response:
-    state = steering_state(request)
-    return json_response(ProfileList(data=[_info(state, p) for p in await asyncio.to_thread(state.book.all) if p.cluster is not None]))
+    live = await _current(request)
+    return json_response(ProfileList(data=[_info(live, p) for _, p in sorted(live.profiles.items()) if p.cluster is not None]))
 
 
 async def get_cluster(request: Request) -> Response:
-    return json_response(_info(steering_state(request), await _named_cluster(request)))
+    live = await _current(request)
+    return json_response(_info(live, cluster_named(live.profiles, request.path_params["name"])))
 
 
 async def set_intensity(request: Request) -> Response:
     """Set the persistent dial: a number in [0, max], max being the declared range's top
-    (or the configured ceiling) within [0, 2]."""
+    (or the configured ceiling) within [0, 2]. Moves the epoch when the cluster is
+    active."""
     body = await body_of(request, Intensity)
     state, name = steering_state(request), request.path_params["name"]
-    cluster = await _named_cluster(request)
-    assert cluster.cluster is not None
     dials = dials_of(app_context(request))
-    _, high = bounds(cluster.cluster.intensity_range, dials.floor, dials.ceiling)
-    if isinstance(body.intensity, bool) or not 0.0 <= body.intensity <= high:
-        raise InvalidRequest(f"intensity must be a number in [0, {high}] for cluster {name!r}", param="intensity")
-    updated = with_intensity(cluster, float(body.intensity))
+    cluster_named((await state.refresh()).profiles, name)  # 404 before the body's checks
+    updated: Profile | None = None
 
-    def change(live: Live) -> Live | None:
-        return live if live.active is not None and live.active[0] == name else None  # the active dial moved
+    def change(live: Live) -> Live:
+        nonlocal updated
+        cluster = cluster_named(live.profiles, name)
+        assert cluster.cluster is not None
+        _, high = bounds(cluster.cluster.intensity_range, dials.floor, dials.ceiling)
+        if isinstance(body.intensity, bool) or not 0.0 <= body.intensity <= high:
+            raise InvalidRequest(f"intensity must be a number in [0, {high}] for cluster {name!r}", param="intensity")
+        updated = with_intensity(cluster, float(body.intensity))
+        return replace(live, profiles={**live.profiles, name: updated})
 
-    await state.commit(change, also=lambda conn: state.book.write(conn, updated))
-    return json_response(_info(state, updated))
+    live = await state.commit(change)
+    assert updated is not None
+    return json_response(_info(live, updated))
 
 
 async def activate_cluster(request: Request) -> Response:
-    return await _activate(request, await _named_cluster(request))
+    return await _activate(request, _cluster(request.path_params["name"]))
 
 
 async def deactivate_cluster(request: Request) -> Response:
-    await _named_cluster(request)
-    return await _deactivate(request, only=request.path_params["name"])
+    name = request.path_params["name"]
+    cluster_named((await _current(request)).profiles, name)  # 404 for a name that is no cluster
+    return await _deactivate(request, only=name)
 
 
 async def delete_cluster(request: Request) -> Response:
-    await _named_cluster(request)
-    return await _delete(request, request.path_params["name"])
+    return await _delete(request, _cluster(request.path_params["name"]))
 
 
 # Fixed paths before the {name} ones: "active", "deactivate", "export" and "import" are
@@ -314,18 +331,53 @@ ROUTES: tuple[Route, ...] = (
     ("/api/profiles", create_profile, ["POST"], RouteDoc("Save a profile", Profile, ProfileInfo, 201, ("400", "404", "409", "503"))),
     ("/api/profiles", list_profiles, ["GET"], RouteDoc("Saved profiles (clusters included)", response=ProfileList, errors=())),
     ("/api/profiles/active", active_profile, ["GET"], RouteDoc("The active profile", response=ActiveInfo, errors=())),
-    ("/api/profiles/deactivate", deactivate_profile, ["POST"], RouteDoc("Deactivate the active profile", response=LiveState, errors=("503",))),
+    (
+        "/api/profiles/deactivate",
+        deactivate_profile,
+        ["POST"],
+        RouteDoc("Deactivate the active profile", response=LiveState, errors=("503",)),
+    ),
     ("/api/profiles/export", export_all, ["GET"], RouteDoc("Export every profile", response=ProfileExport, errors=())),
-    ("/api/profiles/import", import_profiles, ["POST"], RouteDoc("Import an export document", ProfileExport, Imported, 201, ("400", "404", "409", "503"))),
+    (
+        "/api/profiles/import",
+        import_profiles,
+        ["POST"],
+        RouteDoc("Import an export document", ProfileExport, Imported, 201, ("400", "404", "409", "503")),
+    ),
     ("/api/profiles/{name}", get_profile, ["GET"], PROFILE),
     ("/api/profiles/{name}", delete_profile, ["DELETE"], RouteDoc("Delete a profile", response=ProfileDeleted, errors=("404", "503"))),
-    ("/api/profiles/{name}/activate", activate_profile, ["POST"], RouteDoc("Activate a profile for every request", response=LiveState, errors=(*WRITE, "409"))),
+    (
+        "/api/profiles/{name}/activate",
+        activate_profile,
+        ["POST"],
+        RouteDoc("Activate a profile for every request", response=LiveState, errors=(*WRITE, "409")),
+    ),
     ("/api/profiles/{name}/export", export_one, ["GET"], RouteDoc("Export one profile", response=ProfileExport, errors=E404)),
-    ("/api/clusters/import", import_cluster, ["POST"], RouteDoc("Import a cluster-definition document", ClusterDocument, ClusterImported, 201, ("400", "409", "503"))),
+    (
+        "/api/clusters/import",
+        import_cluster,
+        ["POST"],
+        RouteDoc("Import a cluster-definition document", ClusterDocument, ClusterImported, 201, ("400", "409", "503")),
+    ),
     ("/api/clusters", list_clusters, ["GET"], RouteDoc("Imported clusters", response=ProfileList, errors=())),
     ("/api/clusters/{name}", get_cluster, ["GET"], RouteDoc("One cluster", response=ProfileInfo, errors=E404)),
     ("/api/clusters/{name}", delete_cluster, ["DELETE"], RouteDoc("Delete a cluster", response=ProfileDeleted, errors=("404", "503"))),
-    ("/api/clusters/{name}/intensity", set_intensity, ["PUT"], RouteDoc("Set the cluster's persistent dial", Intensity, ProfileInfo, errors=WRITE)),
-    ("/api/clusters/{name}/activate", activate_cluster, ["POST"], RouteDoc("Activate a cluster", response=LiveState, errors=(*WRITE, "409"))),
-    ("/api/clusters/{name}/deactivate", deactivate_cluster, ["POST"], RouteDoc("Deactivate the cluster if it is active", response=LiveState, errors=("404", "503"))),
+    (
+        "/api/clusters/{name}/intensity",
+        set_intensity,
+        ["PUT"],
+        RouteDoc("Set the cluster's persistent dial", Intensity, ProfileInfo, errors=WRITE),
+    ),
+    (
+        "/api/clusters/{name}/activate",
+        activate_cluster,
+        ["POST"],
+        RouteDoc("Activate a cluster", response=LiveState, errors=(*WRITE, "409")),
+    ),
+    (
+        "/api/clusters/{name}/deactivate",
+        deactivate_cluster,
+        ["POST"],
+        RouteDoc("Deactivate the cluster if it is active", response=LiveState, errors=("404", "503")),
+    ),
 )

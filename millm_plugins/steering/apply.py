@@ -14,8 +14,9 @@ the steering epoch moved between admission and the end of generation. A request 
 need an attachment that cannot be applied (its SAE unreadable after a restart, or not
 fitting the model) runs without it and reports ``unknown;reason=claims_unreadable``.
 
-The decision reads one snapshot of the live state (``state.live``), so it is consistent
-even when an operator write lands at the same moment.
+The decision reads one snapshot of the steering state (``state.live``: the live state,
+the saved profiles and the attached SAEs), so it is consistent even when an operator write
+lands at the same moment, and it reads memory only: no database, no files.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from millm_core.api import AppliedSet, DatabaseBusy, MillmError
+from millm_core.api import AppliedSet, MillmError
 
 from . import inline
 from .inline import SAENotAttached
@@ -33,8 +34,8 @@ from .intensity import Intensity, is_off
 from .intensity import parse as parse_intensity
 from .intensity import resolve as resolve_intensity
 from .live import CLAIMS_UNREADABLE, Live
-from .profiles import Profile, ProfileBook, check_features
-from .registry import AttachmentUnusable, SteeringState
+from .profiles import Profile, check_features, named
+from .registry import AttachmentUnusable
 
 
 @dataclass(frozen=True)
@@ -74,18 +75,19 @@ def _sent(value: Any) -> bool:
     return value is not None and value is not msgspec.UNSET
 
 
-def profile_entry(profile: Profile, source: str, dial: Intensity | None, state: SteeringState, dials: Dials, live: Live | None = None) -> Entry:
-    """A profile applied at its (SAE, layer), scaled by λ: the request's dial if given,
-    else the profile's own (a cluster's stored dial; 1 for a plain profile). Raises
-    :class:`AttachmentUnusable` when that attachment cannot be applied."""
-    live = live if live is not None else state.live
+def profile_entry(profile: Profile, source: str, dial: Intensity | None, live: Live, dials: Dials) -> Entry:
+    """A profile applied at its (SAE, layer) in ``live``, scaled by λ: the request's dial
+    if given, else the profile's own (a cluster's stored dial; 1 for a plain profile).
+    Raises :class:`AttachmentUnusable` when that attachment cannot be applied."""
     if (profile.sae_id, profile.layer) not in live.attachments:
         raise SAENotAttached(
             f"profile {profile.name!r} steers SAE {profile.sae_id!r} at layer {profile.layer}, which is not attached", param="profile"
         )
     if (profile.sae_id, profile.layer) in live.unusable:
-        raise AttachmentUnusable(f"profile {profile.name!r} steers SAE {profile.sae_id!r} at layer {profile.layer}, which is unusable", param="profile")
-    check_features(profile.features, state.get(profile.sae_id).d_sae, prefix="profile.features")
+        raise AttachmentUnusable(
+            f"profile {profile.name!r} steers SAE {profile.sae_id!r} at layer {profile.layer}, which is unusable", param="profile"
+        )
+    check_features(profile.features, live.saes[profile.sae_id].d_sae, prefix="profile.features")
     declared = profile.cluster.intensity_range if profile.cluster else None
     lam = profile.intensity if dial is None else resolve_intensity(dial, declared, dials.floor, dials.ceiling)
     applied = AppliedSet.build(profile.sae_id, [(f.index, f.strength * lam) for f in profile.features])
@@ -99,11 +101,10 @@ def _manual(live: Live, lam: float) -> list[Entry]:
     ]
 
 
-def plan_for(request: Any, state: SteeringState, book: ProfileBook, dials: Dials, live: Live | None = None) -> Plan:
-    """Decide a validated request's steering from one snapshot of the live state (``live``,
-    by default the current one). Raises the request's 4xx (unknown profile, profile
-    invalid for the attached SAE, bad inline set)."""
-    live = live if live is not None else state.live
+def plan_for(request: Any, live: Live, dials: Dials) -> Plan:
+    """Decide a validated request's steering from one snapshot ``live``. Raises the
+    request's 4xx (unknown profile, profile invalid for the attached SAE, bad inline
+    set)."""
     epoch = live.epoch
     steering = getattr(request, "steering", None)
     if isinstance(steering, inline.InlineSteering):
@@ -112,7 +113,7 @@ def plan_for(request: Any, state: SteeringState, book: ProfileBook, dials: Dials
         target = inline.target(steering, live.attachments)
         if target in live.unusable:
             return Plan(epoch=epoch, unknown=CLAIMS_UNREADABLE)
-        resolved = inline.resolve(steering, live.attachments, {target[0]: state.get(target[0])})
+        resolved = inline.resolve(steering, live.attachments, {target[0]: live.saes[target[0]]})
         if resolved is None:
             return Plan(epoch=epoch)
         return Plan(entries=_nonempty([Entry("inline", resolved.sae_id, resolved.layer, resolved.applied)]), epoch=epoch)
@@ -120,21 +121,19 @@ def plan_for(request: Any, state: SteeringState, book: ProfileBook, dials: Dials
     if _sent(getattr(request, "steering_intensity", None)):
         dial, _ = parse_intensity(request.steering_intensity)
     if _sent(getattr(request, "profile", None)):
-        profile = book.get(request.profile)  # unknown: 404 before anything else
+        profile = named(live.profiles, request.profile)  # unknown: 404 before anything else
         if not live.attachments:
             return Plan(epoch=epoch)  # nothing to steer with: runs unsteered, no echo
         if dial is not None and is_off(dial):
             return Plan(epoch=epoch, echo=0.0 if profile.features else None)
         try:
-            entry = profile_entry(profile, "request", dial, state, dials, live)
+            entry = profile_entry(profile, "request", dial, live, dials)
         except AttachmentUnusable:
             return Plan(epoch=epoch, unknown=CLAIMS_UNREADABLE)
         return Plan(entries=_nonempty([entry]), epoch=epoch, echo=entry.intensity if dial is not None and entry.applied.features else None)
     try:
-        active = book.get(live.active[0]) if live.active else None
-        as_stored = profile_entry(active, "active", None, state, dials, live) if active else None
-    except DatabaseBusy:
-        raise  # the profile cannot be read now: a 503 the client may retry, never a guess
+        active = named(live.profiles, live.active[0]) if live.active else None
+        as_stored = profile_entry(active, "active", None, live, dials) if active else None
     except AttachmentUnusable:
         return Plan(epoch=epoch, unknown=CLAIMS_UNREADABLE)
     except MillmError:  # deleted or no longer valid underneath: say so, never guess
@@ -148,7 +147,7 @@ def plan_for(request: Any, state: SteeringState, book: ProfileBook, dials: Dials
     if is_off(dial):
         return Plan(epoch=epoch, echo=None if base_empty else 0.0)
     if active:
-        entry = profile_entry(active, "active", dial, state, dials, live)
+        entry = profile_entry(active, "active", dial, live, dials)
         entries, lam = [entry, *_manual(live, 1.0)], entry.intensity
     else:
         lam = resolve_intensity(dial, None, dials.floor, dials.ceiling)
@@ -160,11 +159,12 @@ def _nonempty(entries: list[Entry]) -> tuple[Entry, ...]:
     return tuple(sorted((e for e in entries if e.applied.features), key=lambda e: (e.layer, e.sae_id)))
 
 
-def deltas(plan: Plan, state: SteeringState) -> dict[int, tuple[float, ...]]:
-    """layer → Σ strength · W_dec[index] over the plan's entries at that layer."""
+def deltas(plan: Plan, live: Live) -> dict[int, tuple[float, ...]]:
+    """layer → Σ strength · W_dec[index] over the plan's entries at that layer (``live``:
+    the snapshot the plan was decided from)."""
     out: dict[int, Any] = {}
     for entry in plan.entries:
-        direction = state.get(entry.sae_id).direction(entry.applied.features)
+        direction = live.saes[entry.sae_id].direction(entry.applied.features)
         out[entry.layer] = direction if entry.layer not in out else out[entry.layer] + direction
     return {layer: tuple(float(v) for v in vector) for layer, vector in out.items()}
 

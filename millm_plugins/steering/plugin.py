@@ -77,14 +77,23 @@ def millm_register_request_fields(register: Callable[[RequestField[Any]], None])
 
 @hookimpl
 def millm_startup(app: AppContext) -> None:
-    """Migrate the plugin's tables and restore the persisted live state (attachments,
-    manual values, the active profile, the epoch) before the server is ready. The attached
-    SAEs are loaded now; one that cannot be read is kept and reported as unusable."""
-    app.stash[STATE] = SteeringState(store=app.store)
+    """Migrate the plugin's tables and restore the persisted state (attachments, manual
+    values, the active profile, the epoch, the profiles) before the server is ready, then
+    keep watching the database for other servers' writes. The attached SAEs are loaded
+    now; one that cannot be read is kept and reported as unusable."""
+    state = app.stash[STATE] = SteeringState(store=app.store)
+    state.start_watching()
     app.stash[USAGE] = Counter(
         "millm_steered_requests", "Generation requests by the kind of steering they ran with (none, inline, profile, manual, unknown)",
         ["kind"], registry=app.metrics,
     )  # fmt: skip
+
+
+@hookimpl
+def millm_shutdown(app: AppContext) -> None:
+    """Stop watching the database for other servers' writes."""
+    if STATE in app.stash:
+        state_of(app).stop_watching()
 
 
 @hookimpl
@@ -122,9 +131,9 @@ def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
 
 @hookimpl
 def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> None:
-    state = state_of(ctx.app)
-    steering = plan_for(request, state, state.book, dials_of(ctx.app))
-    for layer, vector in deltas(steering, state).items():
+    live = state_of(ctx.app).live  # one snapshot, in memory: no database read per request
+    steering = plan_for(request, live, dials_of(ctx.app))
+    for layer, vector in deltas(steering, live).items():
         plan.deltas[layer] = vector
     if steering.echo is not None:
         ctx.set_header(INTENSITY_HEADER, repr(float(steering.echo)))

@@ -1,4 +1,6 @@
-"""Saved steering profiles and imported clusters, persisted in the server's database.
+"""Saved steering profiles and imported clusters, persisted in the server's database (the
+``profiles`` table) and held in the steering snapshot (:class:`~.live.Live`), which the
+routes and requests read; every write goes through :meth:`~.registry.SteeringState.commit`.
 
 A profile is a named feature set for one SAE at one layer. A cluster is a profile imported
 from a cluster-definition document: its members' strengths are the profile's features, and
@@ -12,11 +14,12 @@ from __future__ import annotations
 import math
 import sqlite3
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
-from millm_core.api import InvalidRequest, MillmError, NotFound, Store
+from millm_core.api import InvalidRequest, MillmError, NotFound
 
 from .inline import Feature, InvalidFeatureIndex
 
@@ -123,7 +126,9 @@ def check_dial(dial: Dial, param: str = "budget") -> None:
         _finite(lo, f"{param}.intensity_range")
         _finite(hi, f"{param}.intensity_range")
         if not 0.0 <= lo <= hi:
-            raise InvalidRequest(f"intensity_range must be [low, high] with 0 ≤ low ≤ high; got [{lo}, {hi}]", param=f"{param}.intensity_range")
+            raise InvalidRequest(
+                f"intensity_range must be [low, high] with 0 ≤ low ≤ high; got [{lo}, {hi}]", param=f"{param}.intensity_range"
+            )
     if not low <= dial.intensity <= high:
         raise InvalidRequest(f"intensity must be in [{low}, {high}]", param=f"{param}.intensity")
 
@@ -145,61 +150,50 @@ def cluster_profile(doc: ClusterDocument, sae_id: str) -> Profile:
     return Profile(name=doc.name, sae_id=sae_id, layer=doc.sae.layer, features=features, cluster=dial)
 
 
-def _decode(body: object) -> Profile:
+def decode(body: object) -> Profile:
+    """A profile from its stored msgpack body."""
     assert isinstance(body, bytes)
     return msgspec.msgpack.decode(body, type=Profile)
 
 
-def _exists(conn: sqlite3.Connection, name: str) -> bool:
-    return conn.execute("SELECT 1 FROM profiles WHERE name = ?", (name,)).fetchone() is not None
+def write(conn: sqlite3.Connection, profile: Profile) -> None:
+    """Insert or overwrite ``profile`` inside the caller's transaction."""
+    conn.execute(
+        "INSERT INTO profiles (name, body, created) VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE SET body = excluded.body",
+        (profile.name, msgspec.msgpack.encode(profile), time.time()),
+    )
 
 
-class ProfileBook:
-    """Profiles in the ``profiles`` table (one msgpack body per name). Every method
-    blocks on SQLite: routes call them off the event loop."""
+def remove(conn: sqlite3.Connection, name: str) -> None:
+    conn.execute("DELETE FROM profiles WHERE name = ?", (name,))
 
-    def __init__(self, store: Store) -> None:
-        self.store = store
 
-    @staticmethod
-    def write(conn: sqlite3.Connection, profile: Profile) -> None:
-        """Insert or overwrite ``profile`` inside the caller's transaction."""
-        conn.execute(
-            "INSERT INTO profiles (name, body, created) VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE SET body = excluded.body",
-            (profile.name, msgspec.msgpack.encode(profile), time.time()),
-        )
+def named(profiles: Mapping[str, Profile], name: str, *, param: str = "profile") -> Profile:
+    """The saved profile ``name`` (404 ``profile_not_found``)."""
+    profile = profiles.get(name)
+    if profile is None:
+        raise ProfileNotFound(f"no profile named {name!r}", param=param)
+    return profile
 
-    @staticmethod
-    def remove(conn: sqlite3.Connection, name: str) -> None:
-        conn.execute("DELETE FROM profiles WHERE name = ?", (name,))
 
-    def add(self, profile: Profile, *, replace: bool = False) -> None:
-        check_name(profile.name)
-        with self.store.transaction() as conn:
-            if not replace and _exists(conn, profile.name):
-                raise ProfileExists(f"a profile named {profile.name!r} exists (delete it first, or import with replace)", param="name")
-            self.write(conn, profile)
+def cluster_named(profiles: Mapping[str, Profile], name: str) -> Profile:
+    """The imported cluster ``name`` (404 ``cluster_not_found``, a plain profile too)."""
+    profile = profiles.get(name)
+    if profile is None or profile.cluster is None:
+        raise NotFound(f"no cluster named {name!r}", code="cluster_not_found", param="id")
+    return profile
 
-    def add_many(self, profiles: list[Profile], *, replace: bool = False) -> None:
-        """Write every profile in one transaction: all of them or none, even if the
-        process dies half-way. Without ``replace`` a name in use refuses them all."""
-        for profile in profiles:
-            check_name(profile.name)
-        with self.store.transaction() as conn:
-            existing = [] if replace else [p.name for p in profiles if _exists(conn, p.name)]
-            if existing:
-                raise ProfileExists(f"profiles {existing} exist; import with ?replace=true to overwrite", param="profiles")
-            for profile in profiles:
-                self.write(conn, profile)
 
-    def get(self, name: str) -> Profile:
-        rows = self.store.query("SELECT body FROM profiles WHERE name = ?", (name,))
-        if not rows:
-            raise ProfileNotFound(f"no profile named {name!r}", param="profile")
-        return _decode(rows[0][0])
-
-    def all(self) -> list[Profile]:
-        return [_decode(body) for (body,) in self.store.query("SELECT body FROM profiles ORDER BY name")]
+def added(profiles: Mapping[str, Profile], new: list[Profile], *, replace: bool, param: str = "profiles") -> dict[str, Profile]:
+    """``profiles`` with ``new`` added. Without ``replace`` a name in use refuses them all
+    (409 ``profile_exists``, naming ``param``: ``name`` for one profile, ``profiles`` for an
+    import)."""
+    existing = [] if replace else [p.name for p in new if p.name in profiles]
+    if existing and param == "name":
+        raise ProfileExists(f"a profile named {existing[0]!r} exists (delete it first, or import with replace)", param=param)
+    if existing:
+        raise ProfileExists(f"profiles {existing} exist; import with ?replace=true to overwrite", param=param)
+    return {**profiles, **{p.name: p for p in new}}
 
 
 def with_intensity(profile: Profile, intensity: float) -> Profile:

@@ -1,15 +1,19 @@
-"""The steering plugin's state for one app: registered SAEs (persisted), and the live state
-(:class:`~.live.Live`: attachments, manual values, the active profile, the epoch), also
-persisted.
+"""The steering plugin's state for one app: the snapshot (:class:`~.live.Live`: attachments,
+manual values, the active profile, the epoch, the saved profiles and the attached SAEs) and
+a cache of the SAEs read from files. All of it but the loaded SAEs is persisted.
 
-Every operator write to the live state goes through :meth:`SteeringState.commit`: under one
-write lock it computes the new snapshot from the current one, persists it (with any other
-write of the same operation) in one transaction off the event loop, and only then makes it
-current and moves the epoch. A write the database refuses (``database_busy``) changes
-nothing. The epoch resumes above the persisted one after a restart, so it never goes back.
+Every write goes through :meth:`SteeringState.commit`, in one transaction off the event
+loop: it reads the database's version first and, when another server wrote since this one
+last looked, computes the write from the state re-read in that transaction, never from a
+stale copy. It then persists the new state, moves the version (and the epoch when a plain
+request would run differently) and only then makes the snapshot current. A write the
+database refuses (``database_busy``) changes nothing. The epoch resumes above the persisted
+one after a restart, so it never goes back; servers sharing a database share it.
 
-Blocking work (SAE files, SQLite) is done by the plain methods here; routes call them with
-``asyncio.to_thread`` (or through the ``async`` helpers), never on the event loop.
+Requests read the snapshot only (no SQLite, no files on the event loop). It is kept fresh
+by :meth:`SteeringState.watch`, which checks the database's version every ``REFRESH_S`` off
+the loop and re-reads the state when another server moved it; management routes check at
+once (:meth:`SteeringState.refresh`) before they answer.
 """
 
 from __future__ import annotations
@@ -19,15 +23,16 @@ import os
 import re
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+
+import structlog
 
 from millm_core.api import Capability, InvalidRequest, MillmError, ModelInfo, NotFound, ServedModel, Store
 
 from . import live as persisted
 from .inline import SAENotAttached
 from .live import Entry, Live, Unusable
-from .profiles import ProfileBook
 from .sae import SAE, load_sae
 
 # Append-only: each statement runs once per database (namespace "steering").
@@ -35,11 +40,17 @@ MIGRATIONS: tuple[str, ...] = (
     "CREATE TABLE IF NOT EXISTS saes (id TEXT PRIMARY KEY, path TEXT NOT NULL, created REAL NOT NULL)",
     "CREATE TABLE profiles (name TEXT PRIMARY KEY, body BLOB NOT NULL, created REAL NOT NULL)",
     *persisted.TABLES,
+    *persisted.VERSIONING,
 )
 STARTUP_WAIT_S = 10.0  # start-up writes may wait for another server's lock this long
+REFRESH_S = 0.1  # how often a server looks for another server's writes
+CONSISTENT_READ_TRIES = 5  # re-reads when a write lands in the middle of one
 
 _ID = re.compile(r"^[A-Za-z0-9._\-]{1,128}$")
 
+log = structlog.get_logger("millm.steering")
+
+Change = Callable[[Live], Live | None]
 Write = Callable[[sqlite3.Connection], object]
 
 
@@ -65,19 +76,47 @@ def derive_id(path: str) -> str:
     return re.sub(r"[^A-Za-z0-9._\-]", "_", raw)[:128] or "sae"
 
 
+def entry_of(live: Live, sae_id: str, layer: int | None) -> Entry:
+    """The attachment ``(sae_id, layer)`` a write names; ``layer`` may be omitted when the
+    SAE is attached at exactly one layer. (The caller checks that the SAE exists.)"""
+    layers = sorted(layer_ for s, layer_ in live.attachments if s == sae_id)
+    if layer is None:
+        if len(layers) != 1:
+            where = f"at layers {layers}; name one with layer" if layers else "nowhere"
+            raise (InvalidRequest if layers else SAENotAttached)(f"SAE {sae_id!r} is attached {where}", param="layer")
+        return sae_id, layers[0]
+    if layer not in layers:
+        raise SAENotAttached(f"SAE {sae_id!r} is not attached at layer {layer}", param="layer")
+    return sae_id, layer
+
+
+def require_usable(live: Live, entry: Entry) -> None:
+    """Refuse a write that needs ``entry`` applied when it cannot be."""
+    broken = live.unusable.get(entry)
+    if broken is not None:
+        raise AttachmentUnusable(
+            f"SAE {entry[0]!r} at layer {entry[1]} is attached but unusable ({broken.reason}: {broken.message}); detach it, or fix it and attach it again",
+            param="layer",
+        )
+
+
+def _in(conn: sqlite3.Connection) -> persisted.Query:
+    return lambda sql, args: list(conn.execute(sql, args).fetchall())
+
+
 @dataclass
 class SteeringState:
-    """Per-app steering state: loaded SAEs, the live snapshot and the profile book."""
+    """Per-app steering state: the current snapshot, the SAE cache and the served model."""
 
     store: Store
-    loaded: dict[str, SAE] = field(default_factory=dict)
+    loaded: dict[str, SAE] = field(default_factory=dict)  # SAEs read from files, by id
     live: Live = field(default_factory=Live)
-    book: ProfileBook = field(init=False)
+    model: ServedModel | None = None  # the resident model, once loaded
     writing: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
+    watcher: asyncio.Task[None] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.store.migrate("steering", MIGRATIONS)
-        self.book = ProfileBook(self.store)
         self.restore()
 
     # ------------------------------------------------------------------ reads of the snapshot
@@ -94,44 +133,10 @@ class SteeringState:
     def active(self) -> tuple[str, Entry] | None:
         return self.live.active
 
-    def entry(self, sae_id: str, layer: int | None) -> Entry:
-        """The attachment ``(sae_id, layer)`` a write names; ``layer`` may be omitted when
-        the SAE is attached at exactly one layer. (The caller checks that the SAE exists.)"""
-        layers = self.layers_of(sae_id)
-        if layer is None:
-            if len(layers) != 1:
-                where = f"at layers {layers}; name one with layer" if layers else "nowhere"
-                raise (InvalidRequest if layers else SAENotAttached)(f"SAE {sae_id!r} is attached {where}", param="layer")
-            return sae_id, layers[0]
-        if layer not in layers:
-            raise SAENotAttached(f"SAE {sae_id!r} is not attached at layer {layer}", param="layer")
-        return sae_id, layer
-
-    def usable(self, entry: Entry) -> None:
-        """Refuse a write that needs ``entry`` applied when it cannot be."""
-        broken = self.live.unusable.get(entry)
-        if broken is not None:
-            raise AttachmentUnusable(
-                f"SAE {entry[0]!r} at layer {entry[1]} is attached but unusable ({broken.reason}: {broken.message}); detach it, or fix it and attach it again",
-                param="layer",
-            )
-
     def layers_of(self, sae_id: str) -> list[int]:
         return sorted(layer for s, layer in self.live.attachments if s == sae_id)
 
     # ------------------------------------------------------------------ SAEs (blocking)
-
-    def register(self, path: str, sae_id: str | None) -> tuple[str, SAE]:
-        sae_id = sae_id or derive_id(path)
-        if not _ID.match(sae_id):
-            raise InvalidRequest("id must be 1–128 characters of A-Z a-z 0-9 . _ -", param="id")
-        sae = load_sae(path)  # validates the files before anything is recorded
-        with self.store.transaction() as conn:
-            if conn.execute("SELECT 1 FROM saes WHERE id = ?", (sae_id,)).fetchone():
-                raise SAEExists(f"an SAE with id {sae_id!r} is already registered", param="id")
-            conn.execute("INSERT INTO saes (id, path, created) VALUES (?, ?, ?)", (sae_id, os.path.abspath(path), time.time()))
-        self.loaded[sae_id] = sae
-        return sae_id, sae
 
     def registered(self) -> list[tuple[str, str]]:
         return [(str(i), str(p)) for i, p in self.store.query("SELECT id, path FROM saes ORDER BY id")]
@@ -155,49 +160,145 @@ class SteeringState:
         sae = self.loaded.get(sae_id)
         return sae if sae is not None else await asyncio.to_thread(self.get, sae_id)
 
+    # ------------------------------------------------------------------ snapshots
+
+    def _complete(self, live: Live, registered: Mapping[str, str]) -> Live:
+        """``live`` with the SAE of each attachment (from the cache when it holds the
+        registered files, else read now: blocking) and its unusable attachments derived.
+        Drops from the cache the SAEs no longer registered, or registered anew elsewhere."""
+        for sae_id, sae in list(self.loaded.items()):
+            if registered.get(sae_id) != os.path.abspath(sae.path):
+                self.loaded.pop(sae_id, None)
+        saes: dict[str, SAE] = {}
+        unreadable: dict[str, str] = {}
+        for sae_id in dict.fromkeys(s for s, _ in live.attachments):
+            path = registered.get(sae_id)
+            try:
+                if path is None:
+                    raise NotFound(f"SAE {sae_id!r} is not registered", code="sae_not_found")
+                sae = self.loaded.get(sae_id) or load_sae(path)
+            except MillmError as exc:
+                unreadable[sae_id] = exc.message
+                continue
+            saes[sae_id] = self.loaded[sae_id] = sae
+        return self._derived(replace(live, saes=saes, unreadable=unreadable))
+
+    def _derived(self, live: Live) -> Live:
+        """``live`` with ``unusable`` derived from its SAEs and the served model (quick: no
+        I/O). An attachment whose SAE is not loaded, or that the model cannot take, is
+        unusable."""
+        served = self.model
+        unusable: dict[Entry, Unusable] = {}
+        for entry in live.attachments:
+            sae_id, layer = entry
+            sae = live.saes.get(sae_id)
+            if sae is None:
+                unusable[entry] = Unusable(persisted.SAE_UNREADABLE, live.unreadable.get(sae_id, f"SAE {sae_id!r} is not loaded"))
+            elif served is None:
+                continue
+            elif Capability.STEERING not in served.capabilities:
+                unusable[entry] = Unusable(
+                    persisted.NOT_STEERABLE, f"the {served.info.engine} engine serving {served.info.served_name!r} cannot be steered"
+                )
+            elif sae.d_in != served.info.d_model:
+                unusable[entry] = Unusable(
+                    persisted.WIDTH_MISMATCH, f"the SAE reads width {sae.d_in}; {served.info.served_name!r} has width {served.info.d_model}"
+                )
+            elif not 0 <= layer < served.info.n_layers:
+                unusable[entry] = Unusable(
+                    persisted.LAYER_OUT_OF_RANGE, f"{served.info.served_name!r} has layers 0–{served.info.n_layers - 1}"
+                )
+        return replace(live, unusable=unusable)
+
+    def _install(self, new: Live | None) -> None:
+        """Make ``new`` current (on the event loop) unless the current snapshot is as
+        recent; the unusable marks are derived again for the model served now."""
+        if new is not None and new.version > self.live.version:
+            self.live = self._derived(new)
+
+    def _read(self) -> Live | None:
+        """The state in the database when its version is not the snapshot's, else None
+        (blocking). Consistent without a write lock: the reads count only if the version
+        did not move while they ran (every write moves it)."""
+        query: persisted.Query = self.store.query
+        for _ in range(CONSISTENT_READ_TRIES):
+            if persisted.version(query) == self.live.version:
+                return None
+            stored, registered = persisted.load(query)
+            if persisted.version(query) == stored.version:
+                return self._complete(stored, registered)
+        return None  # written to without a pause: the next look will do
+
+    async def refresh(self) -> Live:
+        """The current snapshot, after re-reading the database (off the event loop) if
+        another server wrote since this one last looked."""
+        self._install(await asyncio.to_thread(self._read))
+        return self.live
+
+    async def watch(self) -> None:
+        """Pick up other servers' writes every ``REFRESH_S`` for as long as the app runs,
+        so that a request (which reads the snapshot only) runs with them."""
+        while True:
+            await asyncio.sleep(REFRESH_S)
+            try:
+                await self.refresh()
+            except MillmError as exc:  # database_busy and the like: look again next time
+                log.debug("steering_refresh_failed", error=exc.message)
+            except Exception:  # noqa: BLE001 - a watcher that dies would leave the state stale for good
+                log.exception("steering_refresh_failed")
+
     # ------------------------------------------------------------------ writes
 
-    async def commit(self, change: Callable[[Live], Live | None], also: Write | None = None) -> bool:
-        """Apply one operator write. ``change`` gets the current snapshot (under the write
-        lock, on the event loop: keep it pure and quick) and returns the new one, or None
-        when the live state does not change. ``also`` is more SQL for the same transaction.
-        Returns whether the live state changed (and the epoch moved)."""
+    async def commit(self, change: Change | None = None, also: Write | None = None) -> Live:
+        """Apply one operator write and return the snapshot it made current. ``change``
+        gets the current state (the database's, re-read if another server wrote; it runs
+        in a worker thread inside the write transaction: keep it pure and quick, and
+        raise to refuse) and returns the new one, or None when nothing changes. ``also`` is
+        more SQL for the same transaction."""
         async with self.writing:
-            before = self.live
-            new = change(before)
-            if new is not None:
-                unusable = {e: u for e, u in new.unusable.items() if e in new.attachments}
-                new = replace(new, epoch=before.epoch + 1, unusable=unusable)
-            if new is not None or also is not None:
-                write = asyncio.ensure_future(asyncio.to_thread(self._write, new, also))
-                try:
-                    await asyncio.shield(write)
-                except asyncio.CancelledError:
-                    # The write goes on in its thread: memory must follow the database
-                    # even when the request that asked for it is gone.
-                    await write
-                    self._apply(before, new)
-                    raise
-            self._apply(before, new)
-            return new is not None
+            work = asyncio.ensure_future(asyncio.to_thread(self._transact, change, also))
+            try:
+                new = await asyncio.shield(work)
+            except asyncio.CancelledError:
+                # The write goes on in its thread: memory must follow the database even
+                # when the request that asked for it is gone.
+                self._install(await work)
+                raise
+            self._install(new)
+            return self.live
 
-    def _apply(self, before: Live, new: Live | None) -> None:
-        """Make ``new`` current, keeping the marks the model load (``check_model``) put on
-        attachments while the write was in flight, except those ``new`` itself cleared."""
-        if new is None:
-            return
-        if self.live is not before:
-            cleared = set(before.unusable) - set(new.unusable)
-            marks = {e: u for e, u in self.live.unusable.items() if e in new.attachments and e not in cleared}
-            new = replace(new, unusable={**marks, **new.unusable})
-        self.live = new
-
-    def _write(self, new: Live | None, also: Write | None) -> None:
+    def _transact(self, change: Change | None, also: Write | None) -> Live | None:
         with self.store.transaction() as conn:
+            query = _in(conn)
+            held = self.live
+            version = persisted.version(query)
+            current = held if version == held.version else self._complete(*persisted.load(query))
+            new = change(current) if change is not None else None
             if also is not None:
                 also(conn)
-            if new is not None:
-                persisted.save(conn, new)
+            elif new is None:
+                return current if current is not held else None  # nothing to write
+            new = new if new is not None else current
+            epoch = current.epoch if new.steers_like(current) else current.epoch + 1
+            registered = {str(i): str(p) for i, p in query("SELECT id, path FROM saes", ())}
+            new = self._complete(replace(new, epoch=epoch, version=version + 1), registered)
+            persisted.save(conn, new, current)
+            return new
+
+    async def register(self, path: str, sae_id: str | None) -> tuple[str, SAE]:
+        sae_id = sae_id or derive_id(path)
+        if not _ID.match(sae_id):
+            raise InvalidRequest("id must be 1–128 characters of A-Z a-z 0-9 . _ -", param="id")
+        sae = await asyncio.to_thread(load_sae, path)  # validates the files before anything is recorded
+
+        def insert(conn: sqlite3.Connection) -> None:
+            if conn.execute("SELECT 1 FROM saes WHERE id = ?", (sae_id,)).fetchone():
+                raise SAEExists(f"an SAE with id {sae_id!r} is already registered", param="id")
+            conn.execute("INSERT INTO saes (id, path, created) VALUES (?, ?, ?)", (sae_id, os.path.abspath(path), time.time()))
+
+        await self.commit(also=insert)
+        self.loaded[sae_id] = sae
+        return sae_id, sae
 
     async def delete(self, sae_id: str) -> None:
         """Forget the SAE, detaching it everywhere (one transaction)."""
@@ -245,36 +346,34 @@ class SteeringState:
     # ------------------------------------------------------------------ start-up
 
     def restore(self) -> None:
-        """Read the persisted live state (at start-up, before the server answers). The
-        epoch resumes one above the persisted one: a restart may change what a request
-        gets, and the epoch never goes back. Each attached SAE is loaded now; one whose
-        files cannot be read stays attached, marked unusable."""
-        live = persisted.load(self.store)
-        unusable: dict[Entry, Unusable] = {}
-        for entry in live.attachments:
-            try:
-                self.get(entry[0])
-            except MillmError as exc:
-                unusable[entry] = Unusable(persisted.SAE_UNREADABLE, exc.message)
-        self.live = replace(live, epoch=live.epoch + 1, unusable=unusable)
+        """Read the persisted state (at start-up, before the server answers). The epoch
+        resumes one above the persisted one: a restart may change what a request gets, and
+        the epoch never goes back. Each attached SAE is loaded now; one whose files cannot
+        be read stays attached, marked unusable."""
+        self._complete(*persisted.load(self.store.query))  # read the files before taking the lock
         with self.store.transaction(wait=STARTUP_WAIT_S) as conn:
-            persisted.save(conn, self.live)
+            stored, registered = persisted.load(_in(conn))
+            self.live = self._complete(replace(stored, epoch=stored.epoch + 1, version=stored.version + 1), registered)
+            persisted.save(conn, self.live, stored)
 
     def check_model(self, served: ServedModel) -> None:
         """The resident model is loaded: mark the attachments it cannot take (not
         steerable, another residual width, a layer it does not have). Quick: no I/O."""
-        model = served.info
-        unusable: dict[Entry, Unusable] = {}
-        for entry in self.live.attachments:
-            sae_id, layer = entry
-            sae = self.loaded.get(sae_id)
-            known = self.live.unusable.get(entry)
-            if sae is None or (known is not None and known.reason == persisted.SAE_UNREADABLE):
-                unusable[entry] = known or Unusable(persisted.SAE_UNREADABLE, f"SAE {sae_id!r} is not loaded")
-            elif Capability.STEERING not in served.capabilities:
-                unusable[entry] = Unusable(persisted.NOT_STEERABLE, f"the {model.engine} engine serving {model.served_name!r} cannot be steered")
-            elif sae.d_in != model.d_model:
-                unusable[entry] = Unusable(persisted.WIDTH_MISMATCH, f"the SAE reads width {sae.d_in}; {model.served_name!r} has width {model.d_model}")
-            elif not 0 <= layer < model.n_layers:
-                unusable[entry] = Unusable(persisted.LAYER_OUT_OF_RANGE, f"{model.served_name!r} has layers 0–{model.n_layers - 1}")
-        self.live = replace(self.live, unusable=unusable)
+        self.model = served
+        self.live = self._derived(self.live)
+
+    def start_watching(self) -> None:
+        """Start :meth:`watch` on the running event loop (a database file only: nothing
+        else can write to a ``:memory:`` one)."""
+        if self.store.path == ":memory:" or self.watcher is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # started outside a server (a script): nothing serves requests
+            return
+        self.watcher = loop.create_task(self.watch(), name="millm-steering-watch")
+
+    def stop_watching(self) -> None:
+        if self.watcher is not None:
+            self.watcher.cancel()
+            self.watcher = None

@@ -7,6 +7,7 @@ import threading
 import httpx
 import openai
 import pytest
+import structlog
 
 from millm_core.config import load_settings
 from millm_core.registry import ServedModel
@@ -68,14 +69,23 @@ def test_readiness_follows_the_model_load(tiny_model: ServedModel) -> None:
 
 
 def test_failed_load_is_reported(tiny_model: ServedModel) -> None:
+    """Readiness (open without a key) says the load failed and the error's class; the
+    error's text, which may name paths, is only in the server's log."""
+
     def loader() -> ServedModel:
-        raise OSError("weights unreadable")
+        raise OSError("weights unreadable at /secret/path")
 
     settings = load_settings({"log_level": "critical", "db": ":memory:"}, environ={})
-    with RunningServer(create_app(settings, loader=loader)) as srv:
+    with structlog.testing.capture_logs() as logs, RunningServer(create_app(settings, loader=loader)) as srv:
         for _ in range(100):
             resp = httpx.get(srv.base_url + "/api/health/ready")
-            if "weights unreadable" in resp.text:
+            if "failed" in resp.text:
                 break
             threading.Event().wait(0.05)
-        assert resp.status_code == 503 and "weights unreadable" in resp.json()["error"]["message"]
+        error = resp.json()["error"]
+        assert resp.status_code == 503 and error["code"] == "model_not_loaded"
+        assert "OSError" in error["message"] and "failed to load" in error["message"]
+        assert "weights unreadable" not in resp.text and "/secret/path" not in resp.text
+    # The log has it: one error with the exception's traceback (which carries its text).
+    [failed] = [entry for entry in logs if entry["event"] == "model_load_failed"]
+    assert failed["log_level"] == "error" and failed["exc_info"] is True

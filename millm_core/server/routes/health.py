@@ -23,8 +23,13 @@ async def ready(request: Request) -> Response:
         # The model thread stopped: every request would fail, so the server is not ready.
         raise ServiceUnavailable(f"The model thread stopped: {state.scheduler.failure}", code="scheduler_unavailable")
     if not len(state.models):
-        reason = state.load_error or ("loading" if state.loading else "no model")
-        raise ModelNotLoaded(f"No model is loaded ({reason})")
+        if state.load_error:
+            # Readiness is open to anyone (no key): name the error's class only. Its text
+            # (paths, library internals) is in the server's log, logged once with its
+            # traceback when the load failed (``model_load_failed``).
+            kind = state.load_error.split(":", 1)[0]
+            raise ModelNotLoaded(f"No model is loaded: the model failed to load ({kind}); the server's log says why")
+        raise ModelNotLoaded(f"No model is loaded ({'loading' if state.loading else 'no model'})")
     return JSONResponse({"status": "ready", "models": [m.info.served_name for m in state.models]})
 
 
@@ -53,5 +58,11 @@ async def inference(request: Request) -> Response:
     models = {m.info.served_name: backend_of(m.engine) for m in state.models}
     backend = "batched" if "batched" in models.values() else "serial"
     scheduler = state.scheduler
-    body = {"backend": backend, "models": models, "healthy": scheduler.healthy, "failure": scheduler.failure, "scheduler": scheduler.snapshot()}
+    body = {
+        "backend": backend,
+        "models": models,
+        "healthy": scheduler.healthy,
+        "failure": scheduler.failure,
+        "scheduler": scheduler.snapshot(),
+    }
     return Response(encode(body), media_type="application/json")
