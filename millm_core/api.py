@@ -25,7 +25,14 @@ The groups, in the order a plugin meets them:
 
 from __future__ import annotations
 
-from .chatformat import generic_chat_text, render_with_continuation, split_continuation
+from .chatformat import (
+    generic_chat_text,
+    has_tool_history,
+    operator_chat_template,
+    refuse_tools_without_template,
+    render_with_continuation,
+    split_continuation,
+)
 from .codec import convert, decode_json, encode
 from .commands import Command
 from .config import PluginSetting, Settings, cache_root, parse_bool
@@ -49,9 +56,11 @@ from .engine import (
     ModelLocation,
     ModelSource,
     ResidualReader,
+    RowEnd,
     RowSpec,
     SamplingParams,
     Scorer,
+    TokenMask,
     TokenProcessor,
 )
 from .errors import (
@@ -79,6 +88,7 @@ from .loading import load_served_model, local_revision
 from .logs import configure_logging
 from .openapi import RouteDoc
 from .pipeline_types import (
+    ChatRender,
     ChoiceResult,
     Compute,
     Execution,
@@ -113,6 +123,7 @@ __all__ = [
     "ChatTemplateRefused",
     "ChatMessage",
     "ChoiceResult",
+    "ChatRender",
     "Command",
     "CompletionRequest",
     "Compute",
@@ -169,6 +180,8 @@ __all__ = [
     "StashKey",
     "Store",
     "TokenProcessor",
+    "TokenMask",
+    "RowEnd",
     "Usage",
     "app_context",
     "cache_root",
@@ -177,6 +190,9 @@ __all__ = [
     "decode_json",
     "encode",
     "generic_chat_text",
+    "has_tool_history",
+    "operator_chat_template",
+    "refuse_tools_without_template",
     "hookimpl",
     "json_response",
     "load_served_model",

@@ -51,3 +51,37 @@ def render_with_continuation(render: Any, messages: Sequence[Mapping[str, Any]])
             param="messages",
         )
     return text
+
+
+def has_tool_history(messages: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a chat carries function-calling history (an assistant's ``tool_calls`` or
+    a ``tool`` message), which only a chat template can render."""
+    return any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+
+
+def refuse_tools_without_template(messages: Sequence[Mapping[str, Any]], tools: object) -> None:
+    """A model without a chat template cannot show tools or render tool history: refuse
+    with 400 rather than drop them (the generic format has no place for them)."""
+    if tools:
+        raise InvalidRequest("this model has no chat template, so it cannot be shown tools", code="field_not_honoured", param="tools")
+    if has_tool_history(messages):
+        raise InvalidRequest(
+            "this model has no chat template, so it cannot render tool calls or tool results in messages", param="messages"
+        )
+
+
+def operator_chat_template(path: str | None) -> str | None:
+    """The chat template file an operator named (``--chat-template``), read once at
+    load; an unreadable file stops the load with its reason."""
+    if not path:
+        return None
+    from .errors import ConfigError
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as exc:
+        raise ConfigError(f"--chat-template {path}: {exc.strerror or exc}") from exc
+    if not text.strip():
+        raise ConfigError(f"--chat-template {path}: the file is empty")
+    return text

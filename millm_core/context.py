@@ -17,7 +17,7 @@ from .config import Settings
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from .registry import ModelRegistry
+    from .registry import ModelRegistry, ServedModel
     from .store import Store
 
 T = TypeVar("T")
@@ -117,6 +117,9 @@ class RequestContext:
     response_headers: dict[str, str] = field(default_factory=dict)
     ignored_fields: list[str] = field(default_factory=list)
     stash: Stash = field(default_factory=Stash)
+    # The model serving this request, once ``millm_resolve`` chose it (every hook after
+    # ``millm_validate``'s field policy check sees it set).
+    model: ServedModel | None = None
     # The prompt token ids, once the core rendered them (chat and text completions).
     prompts: list[list[int]] | None = None
     # Fields added to this request's access-log line (the core adds token counts).

@@ -39,8 +39,8 @@ class Capability(enum.StrEnum):
     STEERING = "steering"
     SCORING = "scoring"
     EMBEDDINGS = "embeddings"
-    STRUCTURED_OUTPUT = "structured_output"
-    TOOLS = "tools"
+    STRUCTURED_OUTPUT = "structured_output"  # step() applies per-row allowed-token masks
+    TOOLS = "tools"  # render_chat() takes tools= and renders tool-call history
     CHAT_TEMPLATE_KWARGS = "chat_template_kwargs"
     POOLINGS = "poolings"  # embeddings pooled by last or cls token as well as by mean
 
@@ -63,9 +63,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     @property
     def system_fingerprint(self) -> str:
         """``millm:<model>@<revision>:<dtype>/<quantization>:<engine>``."""
-        return (
-            f"millm:{self.served_name}@{self.revision}:{self.dtype}/{self.quantization}:{self.engine}"
-        )
+        return f"millm:{self.served_name}@{self.revision}:{self.dtype}/{self.quantization}:{self.engine}"
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -127,6 +125,34 @@ class TokenProcessor(Protocol):
     def flush(self) -> str: ...
 
 
+@runtime_checkable
+class TokenMask(Protocol):
+    """An optional part of the per-token stage: a processor that constrains which tokens
+    its row may draw (a grammar, a forced opening). ``allowed_tokens()`` runs before
+    every step, after ``logit_bias()``: the token ids allowed next, as a sequence of ints
+    or a 1-D integer numpy array (EOS ids included when the row may end), or None for no
+    constraint this step. Every other token gets ``-inf`` before sampling, so greedy and
+    seeded draws choose among the allowed ones only. Several constraining processors on
+    one row intersect. Only engines with :attr:`Capability.STRUCTURED_OUTPUT` apply
+    masks; a plugin that constrains rows requires that capability for its field."""
+
+    def allowed_tokens(self) -> Sequence[int] | Any | None: ...
+
+
+@dataclass(frozen=True)
+class RowEnd:
+    """What a processor says about its row as the row ends, from its optional
+    ``end(finish_reason) -> RowEnd | None`` method (called after ``flush``): message
+    fields to add to this choice (for example ``{"tool_calls": [...]}``: on chat they
+    join the choice's ``message``, and a streamed choice gets them in one delta before
+    its final chunk) and a ``finish_reason`` to report instead (for example
+    ``"tool_calls"``). A choice whose fields carry ``tool_calls`` and whose text is empty
+    has ``content: null``."""
+
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    finish_reason: str | None = None
+
+
 class Batch(Protocol):
     """An engine's handle on the rows it is stepping (KV cache and per-row state)."""
 
@@ -139,9 +165,11 @@ class Engine(Protocol):
     """A loaded model that can step batches. Implementations live in engine plugins;
     torch and other heavy libraries are imported only there.
 
-    Optional attributes the core reads when present: ``capacity`` (a :class:`Capacity`:
-    admission refuses what could never fit) and ``refusals`` (``{Capability: why it is
-    missing}``, quoted in refusals)."""
+    Optional attributes the core and plugins read when present: ``capacity`` (a
+    :class:`Capacity`: admission refuses what could never fit), ``refusals``
+    (``{Capability: why it is missing}``, quoted in refusals) and ``chat_template`` (the
+    Jinja source ``render_chat`` renders with, None without one: the tools plugin reads
+    the call format off it)."""
 
     info: ModelInfo
     capabilities: frozenset[str]
@@ -159,14 +187,21 @@ class Engine(Protocol):
         begins with the BOS token gets no second one; otherwise the tokenizer's own rule
         applies. A model without a chat template uses a documented generic format.
         ``template_kwargs`` are the request's ``chat_template_kwargs`` (template
-        variables); an engine without :attr:`Capability.CHAT_TEMPLATE_KWARGS` gets none."""
+        variables); an engine without :attr:`Capability.CHAT_TEMPLATE_KWARGS` gets none.
+        An engine with :attr:`Capability.TOOLS` also takes ``tools=`` (OpenAI tool
+        objects, given to the template as its ``tools`` variable; passed only when a
+        plugin sets them) and renders messages' ``tool_calls``/``tool_call_id`` fields;
+        it refuses tools or tool history with 400 when it has no chat template."""
 
     def open_batch(self, rows: Sequence[RowSpec]) -> Batch:
         """Prepare rows for stepping; the first :meth:`step` runs the prefill."""
 
     def step(self, batch: Batch, biases: Sequence[Mapping[int, float] | None]) -> list[int]:
         """Run one forward pass and sample one token for every live row, in row order.
-        ``biases[i]`` is added to row i's logits before sampling."""
+        ``biases[i]`` is added to row i's logits before sampling. An engine with
+        :attr:`Capability.STRUCTURED_OUTPUT` takes a third argument ``allowed``:
+        ``allowed[i]`` is None or the token ids row i may draw (see :class:`TokenMask`);
+        the core passes it only when some row is constrained."""
 
     def retain(self, batch: Batch, keep: Sequence[int]) -> None:
         """Keep only the rows at positions ``keep`` (in order); free the others."""
@@ -200,9 +235,14 @@ class MemoryAware(Protocol):
     (admission then refuses with ``503 insufficient_memory`` instead of running out of
     memory mid-step)."""
 
-    def memory_shortfall(self, prompt_lengths: Sequence[int], max_new_tokens: int) -> str | None:
+    def memory_shortfall(
+        self, prompt_lengths: Sequence[int], max_new_tokens: int, *, admitted: Sequence[tuple[int, int]] = ()
+    ) -> str | None:
         """None when rows of these prompt lengths, each generating up to
-        ``max_new_tokens``, fit now; else why not, naming the device."""
+        ``max_new_tokens``, fit now beside the rows ``admitted`` earlier and not finished
+        yet (``(prompt_length, max_new_tokens)`` each: queued rows have allocated nothing
+        yet and running rows have not grown to their budget, so their full need counts
+        too); else why not, naming the device."""
 
 
 @runtime_checkable

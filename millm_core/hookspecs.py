@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .context import AppContext, RequestContext
     from .engine import EngineFactory, ModelLocation, ModelSource
     from .fields import FieldRule
-    from .pipeline_types import Execution, Finalization, ForwardPlan, Outcome, Problem
+    from .pipeline_types import ChatRender, Execution, Finalization, ForwardPlan, Outcome, Problem
     from .registry import ModelRegistry, ServedModel
     from .requestfields import RequestField
 
@@ -225,6 +225,20 @@ def millm_execute(ctx: RequestContext, request: Any, model: ServedModel) -> Exec
     the core encodes the reply, adds the common headers and runs ``millm_finalize``.
 
     Return: an execution, or None to pass.
+    """
+
+
+@hookspec
+def millm_render_chat(ctx: RequestContext, request: Any, model: ServedModel, chat: ChatRender) -> None:
+    """Adjust how a chat request is rendered, before the engine's chat template runs:
+    add message fields, the template's ``tools``, or an ``opening`` the assistant's turn
+    starts with (see :class:`~millm_core.pipeline_types.ChatRender`). Runs once for every
+    chat request that renders a prompt (generation and scoring), after validation and
+    before ``millm_execute``, off the event loop, on the text thread.
+
+    Return: nothing; mutate ``chat`` (it belongs to this request alone). A refusal
+    raised here (a :class:`~millm_core.errors.MillmError`) answers the request before
+    anything runs.
     """
 
 

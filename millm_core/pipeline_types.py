@@ -23,6 +23,26 @@ class Problem:
     status: int = 400
 
 
+@dataclass
+class ChatRender:
+    """How a chat request becomes its prompt, built by the core and adjusted by plugins
+    in ``millm_render_chat`` before the engine renders it. Belongs to this request alone.
+
+    ``messages`` are the dicts the chat template sees (the core puts ``role`` and
+    ``content`` in each); a plugin that adds a message field (``tool_calls``,
+    ``tool_call_id``, …) names it in ``rendered_fields`` so that it is not reported as
+    unused. ``tools`` becomes the template's ``tools`` variable (engines with
+    :attr:`~millm_core.engine.Capability.TOOLS`). ``opening`` is text the assistant's turn
+    starts with: it is part of the prompt, never of the response (a forced tool call's
+    opening, for example)."""
+
+    messages: list[dict[str, Any]]
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
+    opening: str = ""
+    rendered_fields: set[str] = field(default_factory=set)
+
+
 @dataclass(frozen=True)
 class RowInfo:
     """What a processor factory knows about the row it builds for."""
@@ -81,10 +101,14 @@ Execution = Generate | Compute
 
 @dataclass(frozen=True)
 class ChoiceResult:
+    """One choice as it ran: its text, why it ended, its token count and the message
+    fields processors added as it ended (``RowEnd.fields``, for example ``tool_calls``)."""
+
     index: int
     text: str
     finish_reason: str
     completion_tokens: int
+    fields: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from .engine import EngineFactory, ModelLocation, ModelSource
 from .errors import ConfigError
 from .fields import FieldRule
 from .openapi import Documented, RouteDoc
-from .pipeline_types import Execution, Finalization, ForwardPlan, Outcome, Problem
+from .pipeline_types import ChatRender, Execution, Finalization, ForwardPlan, Outcome, Problem
 from .registry import ModelRegistry, ServedModel
 from .requestfields import RequestField
 
@@ -221,6 +221,9 @@ class PluginHost:
     def execute(self, ctx: RequestContext, request: Any, model: ServedModel) -> Execution | None:
         result: Execution | None = self._pm.hook.millm_execute(ctx=ctx, request=request, model=model)
         return result
+
+    def render_chat(self, ctx: RequestContext, request: Any, model: ServedModel, chat: ChatRender) -> None:
+        self._pm.hook.millm_render_chat(ctx=ctx, request=request, model=model, chat=chat)
 
     def pre_forward(self, ctx: RequestContext, request: Any, plan: ForwardPlan) -> None:
         self._pm.hook.millm_pre_forward(ctx=ctx, request=request, plan=plan)

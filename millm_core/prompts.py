@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -13,7 +14,12 @@ from .contracts.chat import ChatCompletionRequest
 from .contracts.completions import CompletionRequest
 from .engine import Capability
 from .errors import ContextLengthExceeded, InvalidRequest, ServiceUnavailable
+from .pipeline_types import ChatRender
 from .registry import ServedModel
+
+# Message fields every chat render reads; a plugin that renders another names it in
+# ``ChatRender.rendered_fields``, and any other sent message field is reported unused.
+RENDERED_MESSAGE_FIELDS = frozenset({"role", "content"})
 
 
 def _sent(value: Any) -> bool:
@@ -26,21 +32,56 @@ def _int(value: Any) -> int:
     return value
 
 
-def prompt_ids(ctx: RequestContext, request: ChatCompletionRequest | CompletionRequest, model: ServedModel) -> list[list[int]]:
+def _unread_message_fields(request: ChatCompletionRequest, rendered: set[str]) -> list[str]:
+    unread: list[str] = []
+    for index, message in enumerate(request.messages):
+        for name in message.__struct_fields__:
+            if name not in RENDERED_MESSAGE_FIELDS and name not in rendered and _sent(getattr(message, name)):
+                unread.append(f"messages[{index}].{name}")
+    return unread
+
+
+def _with_opening(messages: list[dict[str, Any]], opening: str) -> list[dict[str, Any]]:
+    """The chat continued with ``opening``: appended to a trailing assistant message
+    (a partial answer), else as a new one (see :mod:`millm_core.chatformat`)."""
+    if not opening:
+        return messages
+    if len(messages) > 1 and messages[-1].get("role") == "assistant" and isinstance(messages[-1].get("content") or "", str):
+        last = dict(messages[-1])
+        last["content"] = (last.get("content") or "") + opening
+        return [*messages[:-1], last]
+    return [*messages, {"role": "assistant", "content": opening}]
+
+
+def prompt_ids(
+    ctx: RequestContext,
+    request: ChatCompletionRequest | CompletionRequest,
+    model: ServedModel,
+    adjust: Callable[[ChatRender], None] | None = None,
+) -> list[list[int]]:
     """The request's prompt token ids, exactly as generation tokenises them (one BOS rule,
     the chat template with its ``chat_template_kwargs``, ``add_special_tokens``). Scoring
     uses the same function, so a scored prompt is the prompt generation would see. The
-    core renders them once per request, off the event loop; later calls return those."""
+    core renders them once per request, off the event loop (``adjust`` runs the plugins'
+    ``millm_render_chat`` on a chat first); later calls return those."""
     if ctx.prompts is not None:
         return ctx.prompts
     engine = model.engine
     if isinstance(request, ChatCompletionRequest):
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         kwargs: dict[str, Any] = request.chat_template_kwargs if isinstance(request.chat_template_kwargs, dict) else {}
         if kwargs and Capability.CHAT_TEMPLATE_KWARGS not in model.capabilities:
             ctx.ignored_fields.append("chat_template_kwargs")  # accepted, and said to be unused
             kwargs = {}
-        return [engine.render_chat(messages, **kwargs)]
+        if "tools" in kwargs:  # the render's own parameter, set by plugins (the request's ``tools``)
+            raise InvalidRequest("chat_template_kwargs may set template variables only; tools cannot be set by a request", param="chat_template_kwargs.tools")
+        chat = ChatRender(messages=[{"role": m.role, "content": m.text()} for m in request.messages], template_kwargs=dict(kwargs))
+        if adjust is not None:
+            adjust(chat)
+        ctx.ignored_fields.extend(_unread_message_fields(request, chat.rendered_fields))
+        messages = _with_opening(chat.messages, chat.opening)
+        if chat.tools is not None:
+            return [engine.render_chat(messages, tools=chat.tools, **chat.template_kwargs)]
+        return [engine.render_chat(messages, **chat.template_kwargs)]
     add_special = request.add_special_tokens if _sent(request.add_special_tokens) else True
     # An empty prompt is returned as is: each path refuses it with its own error.
     return [engine.encode(text, add_special_tokens=bool(add_special)) for text in request.prompts()]
@@ -55,7 +96,12 @@ def refuse_empty(request: CompletionRequest, prompts: list[list[int]], code: str
 
 
 async def render_prompts(
-    ctx: RequestContext, request: ChatCompletionRequest | CompletionRequest, model: ServedModel, pool: Executor, timeout_s: float
+    ctx: RequestContext,
+    request: ChatCompletionRequest | CompletionRequest,
+    model: ServedModel,
+    pool: Executor,
+    timeout_s: float,
+    adjust: Callable[[ChatRender], None] | None = None,
 ) -> list[list[int]]:
     """Render and tokenise the request's prompts on ``pool`` (never on the event loop),
     refusing a render that takes longer than ``timeout_s``; the ids are kept on ``ctx``."""
@@ -64,7 +110,7 @@ async def render_prompts(
 
     def render() -> list[list[int]]:
         started.append(True)
-        return prompt_ids(ctx, request, model)
+        return prompt_ids(ctx, request, model, adjust)
 
     try:
         ctx.prompts = await asyncio.wait_for(loop.run_in_executor(pool, render), timeout_s)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from .detokenize import Decode, Detokenizer
-from .engine import TokenProcessor
+from .engine import RowEnd, TokenProcessor
 
 
 @dataclass(slots=True)
@@ -21,12 +24,14 @@ class RowEvent:
     row: int
     text: str
     finish_reason: str | None = None
+    # Message fields processors added as the row ended (for example ``tool_calls``).
+    fields: dict[str, Any] | None = None
 
 
 class RowDriver:
     """Drives one row: ``bias()`` before each step, ``accept(token)`` after it."""
 
-    __slots__ = ("row", "_detok", "_processors", "_eos", "_budget", "generated", "finish_reason")
+    __slots__ = ("row", "_detok", "_processors", "_masks", "_eos", "_budget", "generated", "finish_reason", "constrained")
 
     def __init__(
         self,
@@ -40,6 +45,10 @@ class RowDriver:
         self.row = row
         self._detok = Detokenizer(decode)
         self._processors = tuple(processors)
+        # Processors that constrain which tokens may come next (the optional
+        # ``allowed_tokens`` method of the per-token stage).
+        self._masks = tuple(p for p in self._processors if callable(getattr(p, "allowed_tokens", None)))
+        self.constrained = bool(self._masks)
         self._eos = eos_token_ids
         self._budget = max_new_tokens
         self.generated = 0
@@ -57,6 +66,18 @@ class RowDriver:
             else:
                 for tok, val in part.items():
                     merged[tok] = merged.get(tok, 0.0) + val
+        return merged
+
+    def allowed(self) -> Any:
+        """The token ids this row may draw next (a 1-D integer array), or None when no
+        processor constrains it; several constraints intersect."""
+        merged: Any = None
+        for proc in self._masks:
+            part = proc.allowed_tokens()  # type: ignore[attr-defined]
+            if part is None:
+                continue
+            ids = np.asarray(part, dtype=np.int64)
+            merged = ids if merged is None else np.intersect1d(merged, ids, assume_unique=False)
         return merged
 
     def accept(self, token_id: int) -> RowEvent:
@@ -93,5 +114,12 @@ class RowDriver:
                 reason = "stop"
             else:
                 carry += proc.flush()
+        fields: dict[str, Any] | None = None
+        for proc in self._processors:
+            end = getattr(proc, "end", None)
+            said: RowEnd | None = end(reason) if callable(end) else None
+            if said is not None:
+                fields = {**(fields or {}), **said.fields}
+                reason = said.finish_reason or reason
         self.finish_reason = reason
-        return RowEvent(self.row, emitted + carry, reason)
+        return RowEvent(self.row, emitted + carry, reason, fields)

@@ -38,8 +38,8 @@ from typing import Any, TypeVar, cast
 import msgspec
 import structlog
 
-from .engine import Joinable
-from .errors import MillmError, QueueFull, ServiceUnavailable
+from .engine import Capability, Joinable
+from .errors import FieldNotHonoured, MillmError, QueueFull, ServiceUnavailable
 from .jobs import (
     Call,
     Job,
@@ -342,10 +342,13 @@ class Scheduler:
                     break
                 if self._waiting:
                     self._admit(run, joinable, batch)
-                biases = run.biases()
+                biases, allowed = run.biases()
                 started = time.perf_counter()
                 try:
-                    tokens = engine.step(batch, biases)
+                    # ``allowed`` goes to the engine only when some row is constrained, so an
+                    # engine without masks (and the unconstrained path) never sees it.
+                    step: Any = engine.step  # the masked form is declared by Capability.STRUCTURED_OUTPUT
+                    tokens = step(batch, biases, allowed) if allowed is not None else step(batch, biases)
                 except RowsFailed as partial:
                     tokens = partial.tokens
                     run.fail_rows(partial.errors)
@@ -418,17 +421,32 @@ class _Run:
         self._end(job, JobDone(cancelled=True))
         return keep
 
-    def biases(self) -> list[Any]:
-        """Each row's logit bias for the next step. A processor that raises fails its own
-        job (its rows step once more without a bias and are then dropped)."""
+    def biases(self) -> tuple[list[Any], list[Any] | None]:
+        """Each row's logit bias for the next step, and each row's allowed tokens (None
+        when no row is constrained). A processor that raises fails its own job (its rows
+        step once more unbiased and unconstrained, and are then dropped)."""
         out: list[Any] = []
-        for job, i in self.slots:
+        allowed: list[Any] | None = None
+        for pos, (job, i) in enumerate(self.slots):
+            driver = job.drivers[i]
             try:
-                out.append(job.drivers[i].bias())
+                out.append(driver.bias())
+                if driver.constrained:
+                    if Capability.STRUCTURED_OUTPUT not in job.engine.capabilities:
+                        raise FieldNotHonoured(
+                            "a token processor constrains this row, but this engine applies no token masks "
+                            "(it lacks the structured_output capability)"
+                        )
+                    mask = driver.allowed()
+                    if mask is not None:
+                        if allowed is None:
+                            allowed = [None] * len(self.slots)
+                        allowed[pos] = mask
             except Exception as exc:  # noqa: BLE001 - this row's request fails, not the batch
                 self._row_failed(job, i, exc)
-                out.append(None)
-        return out
+                if len(out) <= pos:
+                    out.append(None)
+        return out, allowed
 
     def _row_failed(self, job: Job, row: int, exc: BaseException) -> None:
         if job not in self.failing:

@@ -45,17 +45,47 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None | UnsetType = UNSET
 
 
+# A chat choice may also end because the model called tools.
+ChatFinishReason = FinishReason | Literal["tool_calls"]
+
+
+class FunctionCall(msgspec.Struct, kw_only=True):
+    """A function the model called: its name and its arguments as a JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """One tool call of an assistant message (OpenAI's shape; ``id`` is ``call_…``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True):
+    """One tool call in a stream chunk: millm sends each call whole, in one delta."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(msgspec.Struct, kw_only=True):
-    """The generated message of one choice."""
+    """The generated message of one choice. ``content`` is null when the reply was only
+    tool calls."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
     index: int
     message: AssistantMessage
-    finish_reason: FinishReason
+    finish_reason: ChatFinishReason
     logprobs: None = None
 
 
@@ -76,12 +106,13 @@ class ChatDelta(msgspec.Struct, kw_only=True):
 
     role: Literal["assistant"] | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
     index: int
     delta: ChatDelta
-    finish_reason: FinishReason | None = None
+    finish_reason: ChatFinishReason | None = None
     logprobs: None = None
 
 

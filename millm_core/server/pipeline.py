@@ -23,6 +23,7 @@ from ..contracts.chat import ChatCompletionRequest
 from ..contracts.completions import CompletionRequest
 from ..engine import Capacity, MemoryAware, RowSpec, SamplingParams
 from ..errors import CapacityExceeded, FieldNotHonoured, InvalidRequest, MillmError, OutOfMemory
+from ..ledger import Claim, MemoryLedger
 from ..pipeline_types import (
     ChoiceResult,
     Finalization,
@@ -47,8 +48,6 @@ from .state import AppState
 
 log = structlog.get_logger("millm.pipeline")
 
-# Message fields the engines' renderers read; any other sent message field is reported.
-RENDERED_MESSAGE_FIELDS = ("role", "content")
 STRICT_HEADER = "x-millm-strict"
 
 
@@ -94,6 +93,13 @@ class Prepared:
     plan: ForwardPlan
     prompts: list[list[int]]
     n: int
+    # The request's rows in the memory ledger, released when it ends (``release``).
+    claim: Claim | None = None
+
+    def release(self) -> None:
+        """The request ended (or never ran): its rows no longer hold memory."""
+        if self.claim is not None:
+            self.claim.release()
 
     @property
     def prompt_tokens(self) -> int:
@@ -108,15 +114,6 @@ def _int(value: Any) -> int:
     """A sent integer field (callers check ``_sent`` first)."""
     assert isinstance(value, int)
     return value
-
-
-def _unread_message_fields(request: ChatCompletionRequest) -> list[str]:
-    unread: list[str] = []
-    for index, message in enumerate(request.messages):
-        for name in message.__struct_fields__:
-            if name not in RENDERED_MESSAGE_FIELDS and _sent(getattr(message, name)):
-                unread.append(f"messages[{index}].{name}")
-    return unread
 
 
 @dataclass
@@ -147,12 +144,12 @@ def admit(admission: Admission) -> ServedModel:
     """Strict mode, model resolution, the field policy and the plugins' validation: every
     refusal that needs no tokenisation. Runs nothing."""
     state, ctx, request = admission.state, admission.ctx, admission.request
-    if isinstance(request, ChatCompletionRequest):
-        ctx.ignored_fields.extend(_unread_message_fields(request))
-    refuse_unused_if_strict(ctx)  # early: what decoding already found unused
+    # Strict mode is decided once every place that can report a field ran (the chat
+    # render reports message fields), in serve().
     model = state.host.resolve(ctx, request, state.models)
     if model is None:  # pragma: no cover - the core's resolve always answers or raises
         raise InvalidRequest("no plugin resolved a model for this request", param="model")
+    ctx.model = model
     # What this engine cannot do is refused first, naming the field, before any plugin
     # checks how the field is used.
     check_field_policy(state, ctx, request, model, admission.refused_known)
@@ -162,9 +159,13 @@ def admit(admission: Admission) -> ServedModel:
     return model
 
 
-def check_capacity(model: ServedModel, prompts: list[list[int]], n: int, max_new: int, budget_param: str) -> None:
+def check_capacity(
+    model: ServedModel, prompts: list[list[int]], n: int, max_new: int, budget_param: str, ledger: MemoryLedger | None = None
+) -> Claim | None:
     """Refuse, before anything runs (and before a stream's 200), a request the engine's
-    declared :class:`~millm_core.engine.Capacity` could never hold."""
+    declared :class:`~millm_core.engine.Capacity` could never hold, or that does not fit
+    in memory now beside the requests admitted before it; returns the request's claim in
+    the memory ledger (release it when the request ends)."""
     capacity: Capacity = getattr(model.engine, "capacity", None) or Capacity()
     rows = len(prompts) * n
     if capacity.max_rows is not None and rows > capacity.max_rows:
@@ -173,11 +174,6 @@ def check_capacity(model: ServedModel, prompts: list[list[int]], n: int, max_new
             f"serving '{model.info.served_name}' runs at most {capacity.max_rows}",
             param="n" if n > 1 else "prompt",
         )
-    engine = model.engine
-    if isinstance(engine, MemoryAware):
-        short = engine.memory_shortfall([len(p) for p in prompts for _ in range(n)], max_new)
-        if short:
-            raise OutOfMemory(f"not enough memory for this request now: {short}. Retry later, or ask for fewer tokens or rows")
     need = sum(len(p) + max_new for p in prompts) * n
     if capacity.max_tokens is not None and need > capacity.max_tokens:
         raise CapacityExceeded(
@@ -185,9 +181,21 @@ def check_capacity(model: ServedModel, prompts: list[list[int]], n: int, max_new
             f"'{model.info.served_name}' holds at most {capacity.max_tokens}. Lower {budget_param} or send fewer prompts",
             param=budget_param,
         )
+    engine = model.engine
+    if not isinstance(engine, MemoryAware):
+        return None
+    lengths = [len(p) for p in prompts for _ in range(n)]
+    admitted = ledger.admitted(engine) if ledger is not None else []
+    short = engine.memory_shortfall(lengths, max_new, admitted=admitted)
+    if short:
+        raise OutOfMemory(f"not enough memory for this request now: {short}. Retry later, or ask for fewer tokens or rows")
+    # Checked and claimed in one step on the event loop: no other admission runs between.
+    return ledger.claim(engine, [(length, max_new) for length in lengths]) if ledger is not None else None
 
 
-def prepare_generation(state: AppState, ctx: RequestContext, request: ChatCompletionRequest | CompletionRequest, model: ServedModel) -> Prepared:
+def prepare_generation(
+    state: AppState, ctx: RequestContext, request: ChatCompletionRequest | CompletionRequest, model: ServedModel
+) -> Prepared:
     """Prompt ids, token budget and the plugins' plan for an admitted request."""
     prompts = prompt_ids(ctx, request, model)
     if isinstance(request, CompletionRequest):
@@ -196,9 +204,14 @@ def prepare_generation(state: AppState, ctx: RequestContext, request: ChatComple
     plan = ForwardPlan(sampling=SamplingParams(seed=fresh_seed()), max_new_tokens=max_new)
     n = _int(request.n) if _sent(request.n) else 1
     budget_param = next((name for name in ("max_tokens", "max_completion_tokens") if _sent(getattr(request, name))), "max_tokens")
-    check_capacity(model, prompts, n, max_new, budget_param)
-    state.host.pre_forward(ctx, request, plan)
-    return Prepared(ctx=ctx, request=request, model=model, plan=plan, prompts=prompts, n=n)
+    claim = check_capacity(model, prompts, n, max_new, budget_param, state.memory)
+    try:
+        state.host.pre_forward(ctx, request, plan)
+    except BaseException:
+        if claim is not None:
+            claim.release()
+        raise
+    return Prepared(ctx=ctx, request=request, model=model, plan=plan, prompts=prompts, n=n, claim=claim)
 
 
 @dataclass
@@ -219,7 +232,9 @@ def submit(state: AppState, prepared: Prepared) -> RunHandle:
             index = p_index * prepared.n + j
             sampling = msgspec.structs.replace(prepared.plan.sampling, stream=index)
             rows.append(
-                RowSpec(prompt_ids=tuple(ids), sampling=sampling, deltas=dict(prepared.plan.deltas), max_new_tokens=prepared.plan.max_new_tokens)
+                RowSpec(
+                    prompt_ids=tuple(ids), sampling=sampling, deltas=dict(prepared.plan.deltas), max_new_tokens=prepared.plan.max_new_tokens
+                )
             )
             info = RowInfo(index=index, prompt_index=p_index, prompt_tokens=len(ids))
             drivers.append(
@@ -255,9 +270,17 @@ async def events(handle: RunHandle) -> AsyncIterator[StepEvents]:
             raise event.error
 
 
-def outcome(prepared: Prepared, texts: list[str], reasons: list[str | None], counts: list[int], cancelled: bool = False) -> Outcome:
+def outcome(
+    prepared: Prepared,
+    texts: list[str],
+    reasons: list[str | None],
+    counts: list[int],
+    cancelled: bool = False,
+    fields: list[dict[str, Any] | None] | None = None,
+) -> Outcome:
+    extra = fields or [None] * len(texts)
     choices = tuple(
-        ChoiceResult(index=i, text=texts[i], finish_reason=reasons[i] or "cancelled", completion_tokens=counts[i])
+        ChoiceResult(index=i, text=texts[i], finish_reason=reasons[i] or "cancelled", completion_tokens=counts[i], fields=extra[i])
         for i in range(len(texts))
     )
     completion = sum(counts)

@@ -42,9 +42,10 @@ class Shapes:
     """How one endpoint builds its response objects."""
 
     id_prefix: str
-    # (id, created, model, fingerprint, texts, reasons, usage) -> response Struct
+    # (id, created, model, fingerprint, texts, reasons, usage, fields) -> response Struct;
+    # fields[i]: the message fields processors added to choice i as it ended, or None
     full: Callable[..., msgspec.Struct]
-    # (id, created, model, index, text|None, reason|None, first: bool, usage|None) -> chunk
+    # (id, created, model, index, text|None, reason|None, first: bool, usage|None, fields|None) -> chunk
     chunk: Callable[..., msgspec.Struct]
 
 
@@ -78,6 +79,7 @@ async def complete(state: AppState, prepared: Prepared, shapes: Shapes) -> Respo
     handle = submit(state, prepared)
     texts = [""] * handle.rows
     reasons: list[str | None] = [None] * handle.rows
+    fields: list[dict[str, Any] | None] = [None] * handle.rows
     counts = [0] * handle.rows
     clock = TokenClock(state.metrics, prepared.ctx.started)
     try:
@@ -89,16 +91,28 @@ async def complete(state: AppState, prepared: Prepared, shapes: Shapes) -> Respo
                 counts[ev.row] += 1
                 if ev.finish_reason:
                     reasons[ev.row] = ev.finish_reason
+                    fields[ev.row] = ev.fields
     except BaseException:
         handle.job.cancel()
         raise
-    result = outcome(prepared, texts, reasons, counts)
+    result = outcome(prepared, texts, reasons, counts, fields=fields)
     count_tokens(state, prepared.ctx, result)
     final = finalize(state, prepared, result)
     info = prepared.model.info
-    usage = Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens, total_tokens=result.prompt_tokens + result.completion_tokens)
+    usage = Usage(
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.completion_tokens,
+        total_tokens=result.prompt_tokens + result.completion_tokens,
+    )
     body = shapes.full(
-        f"{shapes.id_prefix}-{uuid.uuid4().hex}", prepared.ctx.created, info.served_name, info.system_fingerprint, texts, reasons, usage
+        f"{shapes.id_prefix}-{uuid.uuid4().hex}",
+        prepared.ctx.created,
+        info.served_name,
+        info.system_fingerprint,
+        texts,
+        reasons,
+        usage,
+        fields,
     )
     headers = {**_headers(state, prepared), **final.headers}
     return Response(_body_with_extensions(body, final.extensions), media_type="application/json", headers=headers)
@@ -119,6 +133,7 @@ def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
         counts = [0] * handle.rows
         texts = [""] * handle.rows
         reasons: list[str | None] = [None] * handle.rows
+        fields: list[dict[str, Any] | None] = [None] * handle.rows
         open_rows = handle.rows
         clock = TokenClock(state.metrics, prepared.ctx.started)
         try:
@@ -132,15 +147,24 @@ def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
                     texts[ev.row] += ev.text
                     if ev.finish_reason:
                         reasons[ev.row] = ev.finish_reason
+                        fields[ev.row] = ev.fields
                         open_rows -= 1
                         usage = None
                         if open_rows == 0 and include_usage:
                             prompt = prepared.prompt_tokens
                             usage = Usage(prompt_tokens=prompt, completion_tokens=sum(counts), total_tokens=prompt + sum(counts))
-                        yield sse_frame(shapes.chunk(response_id, created, info.served_name, ev.row, ev.text, ev.finish_reason, False, usage))
+                        text = ev.text
+                        if ev.fields:  # the text, then one delta with the fields, then the final chunk
+                            if text:
+                                yield sse_frame(shapes.chunk(response_id, created, info.served_name, ev.row, text, None, False, None))
+                            yield sse_frame(
+                                shapes.chunk(response_id, created, info.served_name, ev.row, None, None, False, None, ev.fields)
+                            )
+                            text = ""
+                        yield sse_frame(shapes.chunk(response_id, created, info.served_name, ev.row, text, ev.finish_reason, False, usage))
                     elif ev.text:
                         yield sse_frame(shapes.chunk(response_id, created, info.served_name, ev.row, ev.text, None, False, None))
-            result = outcome(prepared, texts, reasons, counts)
+            result = outcome(prepared, texts, reasons, counts, fields=fields)
             count_tokens(state, prepared.ctx, result)
             final = finalize(state, prepared, result)
             for key, value in final.extensions.items():
@@ -158,23 +182,25 @@ def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
 
     headers = _headers(state, prepared)
     headers["Cache-Control"] = "no-cache"
-    return JobStream(body(), handle, media_type="text/event-stream", headers=headers)
+    return JobStream(body(), handle, prepared, media_type="text/event-stream", headers=headers)
 
 
 class JobStream(StreamingResponse):
-    """A stream that cancels its job however the response ends, including when the
-    client left before the first chunk (the body generator then never starts, so its own
-    ``finally`` would never run)."""
+    """A stream that cancels its job and releases its memory claim however the response
+    ends, including when the client left before the first chunk (the body generator then
+    never starts, so its own ``finally`` would never run)."""
 
-    def __init__(self, content: AsyncIterator[bytes], handle: RunHandle, **kwargs: Any) -> None:
+    def __init__(self, content: AsyncIterator[bytes], handle: RunHandle, prepared: Prepared, **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self._handle = handle
+        self._prepared = prepared
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._handle.job.cancel()  # a no-op for a job that already ended
+            self._prepared.release()
 
 
 def encode_extension(response_id: str, created: int, model: str, shapes: Shapes, key: str, value: Any) -> bytes:

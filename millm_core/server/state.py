@@ -13,6 +13,7 @@ import msgspec
 from ..config import Settings
 from ..context import AppContext, Endpoint
 from ..fields import FieldPolicy
+from ..ledger import MemoryLedger
 from ..metrics import Metrics
 from ..plugins import PluginHost
 from ..registry import ModelRegistry
@@ -33,6 +34,8 @@ class AppState:
     # a tokenizer is not safe to drive from several threads at once).
     render_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="millm-render"))
     metrics: Metrics = field(default_factory=lambda: Metrics())
+    # Rows admitted by memory and not finished (see millm_core/ledger.py).
+    memory: MemoryLedger = field(default_factory=lambda: MemoryLedger())
     serves_embeddings: bool = False
     openapi_json: bytes = b""
     docs_html: str = ""

@@ -10,6 +10,8 @@ concurrent streams together, which is where a batch API beats a serial server.
 
 from __future__ import annotations
 
+import datetime
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,11 +30,20 @@ from millm_core.api import (
     RowSpec,
     SamplingParams,
     generic_chat_text,
+    refuse_tools_without_template,
     render_with_continuation,
 )
 
 from .llama import LlamaModel, Piece
 from .sampler import sample_row
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.datetime.now().strftime(format)
 
 
 @dataclass
@@ -53,7 +64,15 @@ class GGUFBatch:
 class GGUFEngine:
     """A loaded GGUF model serving up to ``parallel`` sequences at once."""
 
-    def __init__(self, llm: LlamaModel, info: ModelInfo, capabilities: frozenset[Capability], parallel: int, refusals: Mapping[Capability, str]) -> None:
+    def __init__(
+        self,
+        llm: LlamaModel,
+        info: ModelInfo,
+        capabilities: frozenset[Capability],
+        parallel: int,
+        refusals: Mapping[Capability, str],
+        chat_template: str | None = None,
+    ) -> None:
         self.llm = llm
         self.info = info
         self.capabilities = capabilities
@@ -65,7 +84,8 @@ class GGUFEngine:
         self.eos_token_ids = frozenset(t for t in range(llm.n_vocab) if llm.is_eog(t)) | eos
         self._bos = llm.special("bos")
         self._bos_text = llm.piece(self._bos, special=True).decode("utf-8", errors="replace") if self._bos is not None else ""
-        self._template = llm.chat_template()
+        # The operator's --chat-template, else the one the file embeds.
+        self.chat_template: str | None = chat_template or llm.chat_template() or None
 
     # ------------------------------------------------------------------ text
 
@@ -78,13 +98,16 @@ class GGUFEngine:
     def token_text(self, token_id: int) -> str:
         return self.llm.piece(token_id, special=True).decode("utf-8", errors="replace")
 
-    def chat_text(self, messages: Sequence[Mapping[str, Any]]) -> str:
+    def chat_text(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The chat rendered with the file's embedded template (the fallback format
-        without one), ready for the assistant; a trailing assistant message continues."""
-        return render_with_continuation(self._render, messages)
+        without one), ready for the assistant; a trailing assistant message continues.
+        ``tools`` are given to the template as its ``tools`` variable."""
+        if not self.chat_template:
+            refuse_tools_without_template(messages, tools)
+        return render_with_continuation(lambda head: self._render(head, tools), messages)
 
-    def _render(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        if not self._template:
+    def _render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> str:
+        if not self.chat_template:
             return generic_chat_text(messages)
         from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -95,10 +118,16 @@ class GGUFEngine:
             raise ChatTemplateRefused(f"the model's chat template refused the messages: {message}", param="messages")
 
         env.globals["raise_exception"] = raise_exception
+        # As transformers renders templates: tojson keeps key order and non-ASCII text,
+        # and takes the same keyword arguments; strftime_now gives the date.
+        env.filters["tojson"] = _tojson
+        env.globals["strftime_now"] = _strftime_now
         eos = self.llm.special("eos")
         try:
-            return env.from_string(self._template).render(
+            extra: dict[str, Any] = {"tools": [dict(t) for t in tools]} if tools is not None else {}
+            return env.from_string(self.chat_template).render(
                 messages=[dict(m) for m in messages],
+                **extra,
                 add_generation_prompt=True,
                 bos_token=self._bos_text,
                 eos_token=self.token_text(eos) if eos is not None else "",
@@ -106,12 +135,16 @@ class GGUFEngine:
         except TemplateError as exc:  # a template that cannot render these messages
             raise ChatTemplateRefused(f"the model's chat template refused the messages: {exc}", param="messages") from exc
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
-            raise ChatTemplateRefused(f"the model's chat template cannot render these messages: {type(exc).__name__}: {exc}", param="messages") from exc
+            raise ChatTemplateRefused(
+                f"the model's chat template cannot render these messages: {type(exc).__name__}: {exc}", param="messages"
+            ) from exc
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], /, **_: Any) -> list[int]:
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], /, *, tools: Sequence[Mapping[str, Any]] | None = None, **_: Any
+    ) -> list[int]:
         """The BOS rule: a render that begins with the BOS text gets no second BOS;
         otherwise the model's own add-BOS rule applies."""
-        text = self.chat_text(messages)
+        text = self.chat_text(messages, tools)
         own_bos = bool(self._bos_text) and text.startswith(self._bos_text)
         return self.llm.tokenize(text, add_special=not own_bos)
 
@@ -134,7 +167,9 @@ class GGUFEngine:
             raise CapacityExceeded(f"{len(rows)} sequences at once; this GGUF engine runs at most {self.parallel}", param="prompt")
         need = sum(len(r.prompt_ids) + max(r.max_new_tokens, 1) for r in rows)
         if need > self.llm.n_cells:
-            raise CapacityExceeded(f"the prompts and their token budgets need {need} KV cells; this GGUF engine has {self.llm.n_cells}", param="prompt")
+            raise CapacityExceeded(
+                f"the prompts and their token budgets need {need} KV cells; this GGUF engine has {self.llm.n_cells}", param="prompt"
+            )
         batch = GGUFBatch()
         self.join(batch, rows)
         return batch
@@ -143,15 +178,19 @@ class GGUFEngine:
         """Add rows to a running batch; their prompts run in the next step. Checked before
         anything changes, so a refused join leaves the running batch as it was."""
         if len(rows) > len(self._free_seqs):
-            raise CapacityExceeded(f"{len(rows)} more sequences do not fit beside the running ones ({len(self._free_seqs)} free)", param="prompt")
+            raise CapacityExceeded(
+                f"{len(rows)} more sequences do not fit beside the running ones ({len(self._free_seqs)} free)", param="prompt"
+            )
         for spec in rows:
             reserve = len(spec.prompt_ids) + max(spec.max_new_tokens, 1)
             seq = self._free_seqs.pop(0)
             self.llm.forget(seq)
             self._reserved += reserve
-            batch.rows.append(Row(seq=seq, tokens=list(spec.prompt_ids), sampling=spec.sampling, reserve=reserve, prompt_len=len(spec.prompt_ids)))
+            batch.rows.append(
+                Row(seq=seq, tokens=list(spec.prompt_ids), sampling=spec.sampling, reserve=reserve, prompt_len=len(spec.prompt_ids))
+            )
 
-    def step(self, batch: GGUFBatch, biases: Sequence[Mapping[int, float] | None]) -> list[int]:
+    def step(self, batch: GGUFBatch, biases: Sequence[Mapping[int, float] | None], allowed: Sequence[Any] | None = None) -> list[int]:
         pieces: list[Piece] = []
         for row in batch.rows:
             pending = row.tokens[row.n_past :]
@@ -163,13 +202,14 @@ class GGUFEngine:
             logits.extend(self.llm.decode(pieces[start : start + limit]))
         out: list[int] = []
         broken: dict[int, BaseException] = {}
+        masks: Sequence[Any] = allowed if allowed is not None else [None] * len(batch.rows)
         for index, (row, row_logits, bias) in enumerate(zip(batch.rows, logits, biases, strict=True)):
             row.n_past = len(row.tokens)
             if not np.isfinite(row_logits).all():  # this row fails alone
                 broken[index] = NonFiniteLogits(f"row {index}'s logits are not finite (NaN or inf) at this step")
                 token = 0
             else:
-                token = sample_row(row_logits, row.sampling, len(row.tokens), bias)
+                token = sample_row(row_logits, row.sampling, len(row.tokens), bias, masks[index])
             row.tokens.append(token)
             out.append(token)
         if broken:
@@ -200,5 +240,7 @@ class GGUFEngine:
         """Mean of the last hidden states per input (the only pooling llama.cpp gives
         this engine); millm applies ``normalize`` afterwards."""
         if pooling != "mean":
-            raise InvalidRequest(f"pooling {pooling!r} is not available on GGUF models; only mean", code="field_not_honoured", param="pooling")
+            raise InvalidRequest(
+                f"pooling {pooling!r} is not available on GGUF models; only mean", code="field_not_honoured", param="pooling"
+            )
         return [self.llm.embed(ids, self.info.context_length).astype(np.float32).tolist() for ids in inputs]

@@ -7,7 +7,7 @@ import time
 
 import structlog
 
-from millm_core.api import Capability, ConfigError, ModelInfo, ModelLocation, Settings
+from millm_core.api import Capability, ConfigError, ModelInfo, ModelLocation, Settings, operator_chat_template
 
 from . import naming
 from .engine import GGUFEngine
@@ -38,7 +38,9 @@ def load_engine(location: ModelLocation, settings: Settings) -> GGUFEngine:
     context = min(settings.max_model_len or trained, trained)
     cells = KV_CELLS.get(settings) or min(context * parallel, max(context, DEFAULT_MAX_CELLS))
     if cells < context:
-        raise ConfigError(f"--{KV_CELLS.name.replace('_', '-')} {cells} is smaller than the context ({context}); one sequence would not fit")
+        raise ConfigError(
+            f"--{KV_CELLS.name.replace('_', '-')} {cells} is smaller than the context ({context}); one sequence would not fit"
+        )
     llm = LlamaModel(location.path, n_ctx=cells, n_seq_max=parallel, threads=threads, f32_kv=tag == "F32")
     if settings.served_name:
         served = settings.served_name
@@ -58,7 +60,20 @@ def load_engine(location: ModelLocation, settings: Settings) -> GGUFEngine:
         created=int(os.path.getmtime(location.path)),
     )
     capabilities = CAPABILITIES if embeddings else CAPABILITIES - {Capability.EMBEDDINGS}
-    refusals = {} if embeddings else {Capability.EMBEDDINGS: f"the model was loaded with {EMBEDDINGS.name}=false (MILLM_{EMBEDDINGS.name.upper()})"}
-    engine = GGUFEngine(llm, info, capabilities, parallel, refusals)
-    log.info("gguf_loaded", model=served, quantization=tag, context=context, kv_cells=cells, parallel=parallel, threads=threads, seconds=round(time.perf_counter() - started, 2))
+    refusals = (
+        {}
+        if embeddings
+        else {Capability.EMBEDDINGS: f"the model was loaded with {EMBEDDINGS.name}=false (MILLM_{EMBEDDINGS.name.upper()})"}
+    )
+    engine = GGUFEngine(llm, info, capabilities, parallel, refusals, chat_template=operator_chat_template(settings.chat_template))
+    log.info(
+        "gguf_loaded",
+        model=served,
+        quantization=tag,
+        context=context,
+        kv_cells=cells,
+        parallel=parallel,
+        threads=threads,
+        seconds=round(time.perf_counter() - started, 2),
+    )
     return engine

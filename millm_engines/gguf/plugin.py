@@ -24,7 +24,7 @@ from millm_core.api import (
 MILLM_PLUGIN_KIND = "engine"
 NAME = "gguf"
 ENGINE = "llama.cpp"
-CAPABILITIES = frozenset({Capability.GENERATE, Capability.EMBEDDINGS})
+CAPABILITIES = frozenset({Capability.GENERATE, Capability.EMBEDDINGS, Capability.STRUCTURED_OUTPUT, Capability.TOOLS})
 
 
 def _positive(value: str) -> int:
@@ -49,9 +49,13 @@ def millm_register_engines(register: Callable[[EngineFactory], None]) -> None:
     register(EngineFactory(name=NAME, capabilities=CAPABILITIES, can_load=_can_load, load=_load))
 
 
-EMBEDDINGS = PluginSetting("gguf_enable_embeddings", True, "load GGUF models able to embed (a second, embeddings-only llama.cpp context)", parse_bool)
+EMBEDDINGS = PluginSetting(
+    "gguf_enable_embeddings", True, "load GGUF models able to embed (a second, embeddings-only llama.cpp context)", parse_bool
+)
 PARALLEL = PluginSetting("gguf_parallel", 8, "sequences a GGUF model decodes together (concurrent requests share its batch)", _positive)
-KV_CELLS = PluginSetting("gguf_kv_cells", 0, "KV-cache cells shared by those sequences (0: the context × parallel, at most 16384)", _positive)
+KV_CELLS = PluginSetting(
+    "gguf_kv_cells", 0, "KV-cache cells shared by those sequences (0: the context × parallel, at most 16384)", _positive
+)
 
 
 @hookimpl
@@ -64,7 +68,9 @@ def _cached(repo: str, tag: str, path: str) -> ModelSource:
     def materialise(settings: Settings) -> ModelLocation:
         return ModelLocation(path=path, served_name=f"{repo}:{tag}", quantization=tag, extra={"gguf_name": repo})
 
-    return ModelSource(name=f"{repo}:{tag}", materialise=materialise, description=f"GGUF in the local Hugging Face cache ({os.path.basename(path)})")
+    return ModelSource(
+        name=f"{repo}:{tag}", materialise=materialise, description=f"GGUF in the local Hugging Face cache ({os.path.basename(path)})"
+    )
 
 
 def _bare(repo: str, tags: dict[str, str]) -> ModelSource:

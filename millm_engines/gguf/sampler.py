@@ -6,17 +6,26 @@ uniform draw from :func:`millm_core.rng.uniform` keyed by (seed, stream, positio
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from millm_core.api import SamplingParams, uniform
 
 
-def sample_row(logits: np.ndarray, params: SamplingParams, position: int, bias: Mapping[int, float] | None = None) -> int:
-    """One token from ``logits`` [vocab] float32 (modified in place by ``bias``)."""
+def sample_row(
+    logits: np.ndarray, params: SamplingParams, position: int, bias: Mapping[int, float] | None = None, allowed: Any = None
+) -> int:
+    """One token from ``logits`` [vocab] float32 (modified in place by ``bias``); with
+    ``allowed`` (token ids) every other token is excluded."""
     if bias:
         ids = np.fromiter(bias.keys(), dtype=np.int64)
         logits[ids] += np.fromiter(bias.values(), dtype=np.float32)
+    if allowed is not None:
+        ids = np.asarray(allowed, dtype=np.int64)
+        masked = np.full_like(logits, -np.inf)
+        masked[ids] = logits[ids]
+        logits = masked
     if params.greedy:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / params.temperature

@@ -16,7 +16,13 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from millm_core.api import ChatTemplateRefused, InvalidRequest, generic_chat_text, render_with_continuation
+from millm_core.api import (
+    ChatTemplateRefused,
+    InvalidRequest,
+    generic_chat_text,
+    refuse_tools_without_template,
+    render_with_continuation,
+)
 
 # apply_chat_template's own parameters, and the variables the template gets from the
 # request itself: a client may set template variables, never these (a client-sent
@@ -43,28 +49,46 @@ def check_template_kwargs(template_kwargs: Mapping[str, Any]) -> None:
         )
 
 
-def render_chat_text(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any]) -> str:
+def render_chat_text(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    template_kwargs: Mapping[str, Any],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> str:
     """The chat as text ready for the assistant's turn; a trailing assistant message is
-    continued (see :mod:`millm_core.chatformat`)."""
+    continued (see :mod:`millm_core.chatformat`). ``tools`` are given to the template as
+    its ``tools`` variable."""
 
     check_template_kwargs(template_kwargs)
+    if not getattr(tokenizer, "chat_template", None):
+        refuse_tools_without_template(messages, tools)
+    extra: dict[str, Any] = dict(template_kwargs)
+    if tools is not None:
+        extra["tools"] = [dict(t) for t in tools]
 
     def render(head: Sequence[Mapping[str, Any]]) -> str:
         if getattr(tokenizer, "chat_template", None):
             conversation: Any = [dict(m) for m in head]  # the tokenizer's stubs want dict[str, str]; content may be richer
             try:
-                return str(tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **dict(template_kwargs)))
+                return str(tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **extra))
             except TemplateError as exc:  # raise_exception(...) in the template, or a template error for these messages
                 raise ChatTemplateRefused(f"the model's chat template refused the messages: {exc}", param="messages") from exc
             except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:  # the template choked on these values
-                raise ChatTemplateRefused(f"the model's chat template cannot render these messages: {type(exc).__name__}: {exc}", param="messages") from exc
+                raise ChatTemplateRefused(
+                    f"the model's chat template cannot render these messages: {type(exc).__name__}: {exc}", param="messages"
+                ) from exc
         return generic_chat_text(head)
 
     return render_with_continuation(render, messages)
 
 
-def render_chat_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any]) -> list[int]:
-    text = render_chat_text(tokenizer, messages, template_kwargs)
+def render_chat_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    template_kwargs: Mapping[str, Any],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
+    text = render_chat_text(tokenizer, messages, template_kwargs, tools)
     bos = tokenizer.bos_token
     writes_own_bos = bool(bos) and text.startswith(str(bos))
     return list(tokenizer(text, add_special_tokens=not writes_own_bos)["input_ids"])

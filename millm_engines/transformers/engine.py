@@ -22,7 +22,7 @@ from .fastpath import KVCache, LlamaDecoder
 from .fp32 import Float32Copies
 from .memory import available_bytes, shortfall
 from .plugin import CAPABILITIES  # declared once, before any load
-from .sampler import apply_biases, sample
+from .sampler import apply_biases, apply_masks, sample
 
 EMBED_BATCH = 16
 
@@ -34,6 +34,8 @@ def _adder(delta: torch.Tensor) -> Any:
         return output + delta[:, None, :]
 
     return hook
+
+
 SCORE_BATCH = 64
 
 
@@ -108,17 +110,31 @@ class TransformersEngine:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], /, **template_kwargs: Any) -> list[int]:
-        return render_chat_ids(self.tokenizer, messages, template_kwargs)
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], /, *, tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs: Any
+    ) -> list[int]:
+        return render_chat_ids(self.tokenizer, messages, template_kwargs, tools)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja source chats are rendered with (the operator's ``--chat-template``
+        replaces the model's own at load)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) and template else None
 
     # ------------------------------------------------------------------ memory
 
     memory_probe: Callable[[torch.device], int] = staticmethod(available_bytes)  # replaceable in tests
 
-    def memory_shortfall(self, prompt_lengths: Sequence[int], max_new_tokens: int) -> str | None:
-        """Why rows of these lengths would not fit in the memory free now (None: they fit)."""
+    def memory_shortfall(
+        self, prompt_lengths: Sequence[int], max_new_tokens: int, *, admitted: Sequence[tuple[int, int]] = ()
+    ) -> str | None:
+        """Why rows of these lengths would not fit in the memory free now beside the rows
+        admitted before them (None: they fit)."""
         dtype = next(self.model.parameters()).dtype
-        return shortfall(self.model.config, dtype, self.device, prompt_lengths, max_new_tokens, probe=self.memory_probe)
+        return shortfall(
+            self.model.config, dtype, self.device, prompt_lengths, max_new_tokens, probe=self.memory_probe, admitted=admitted
+        )
 
     # ------------------------------------------------------------------ batches
 
@@ -158,13 +174,13 @@ class TransformersEngine:
                 handle.remove()
 
     @torch.inference_mode()
-    def step(self, batch: HFBatch, biases: Sequence[Mapping[int, float] | None]) -> list[int]:
+    def step(self, batch: HFBatch, biases: Sequence[Mapping[int, float] | None], allowed: Sequence[Any] | None = None) -> list[int]:
         try:
-            return self._step(batch, biases)
+            return self._step(batch, biases, allowed)
         except (torch.OutOfMemoryError, MemoryError) as exc:  # admission estimated wrong, or memory went elsewhere
             raise OutOfMemory(f"the {self.device} device ran out of memory during a decode step; retry, or ask for fewer tokens") from exc
 
-    def _step(self, batch: HFBatch, biases: Sequence[Mapping[int, float] | None]) -> list[int]:
+    def _step(self, batch: HFBatch, biases: Sequence[Mapping[int, float] | None], allowed: Sequence[Any] | None) -> list[int]:
         if not batch.started:
             batch.started = True
             logits = self._prefill(batch)
@@ -182,12 +198,16 @@ class TransformersEngine:
             logits[broken] = 0.0
         if any(biases):
             apply_biases(logits, biases)
+        if allowed is not None:
+            apply_masks(logits, allowed)
         assert batch.draw_pos is not None
         tokens = sample(logits, batch.params, batch.draw_pos)
         batch.last_tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)
         batch.draw_pos = [p + 1 for p in batch.draw_pos]
         if broken:
-            raise RowsFailed(tokens, {row: NonFiniteLogits(f"row {row}'s logits are not finite (NaN or inf) at this step") for row in broken})
+            raise RowsFailed(
+                tokens, {row: NonFiniteLogits(f"row {row}'s logits are not finite (NaN or inf) at this step") for row in broken}
+            )
         return tokens
 
     # ------------------------------------------------------------------ joining
@@ -210,7 +230,9 @@ class TransformersEngine:
         try:
             sub.prefilled = self._prefill(sub)
         except (torch.OutOfMemoryError, MemoryError) as exc:
-            raise OutOfMemory(f"the {self.device} device ran out of memory prefilling this request beside the running batch; retry") from exc
+            raise OutOfMemory(
+                f"the {self.device} device ran out of memory prefilling this request beside the running batch; retry"
+            ) from exc
         sub.started = True
         self._rows += len(rows)
         batch.joining.append(sub)

@@ -13,7 +13,7 @@ from transformers import (
     GenerationConfig,
 )
 
-from millm_core.api import ConfigError, ModelInfo, ModelLocation, Settings
+from millm_core.api import ConfigError, ModelInfo, ModelLocation, Settings, operator_chat_template
 
 from .engine import TransformersEngine
 from .fastpath import LlamaDecoder, unsupported_reason
@@ -60,6 +60,9 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
+    operator_template = operator_chat_template(settings.chat_template)
+    if operator_template is not None:
+        tokenizer.chat_template = operator_template
     native = int(getattr(config, "max_position_embeddings", 0) or 0)
     context = native
     if settings.max_model_len is not None:
@@ -69,9 +72,7 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
     if not context:
         raise ConfigError("the model states no context window; pass --max-model-len")
     quant = getattr(config, "quantization_config", None)
-    quantization = location.quantization or (
-        str(quant.get("quant_method", "unrecorded")) if isinstance(quant, dict) else "none"
-    )
+    quantization = location.quantization or (str(quant.get("quant_method", "unrecorded")) if isinstance(quant, dict) else "none")
     info = ModelInfo(
         served_name=location.served_name,
         engine="transformers",

@@ -56,14 +56,20 @@ def rows_bytes(config: PretrainedConfig, dtype: torch.dtype, prompt_lengths: Seq
 
 def shortfall(
     config: PretrainedConfig, dtype: torch.dtype, device: torch.device, prompt_lengths: Sequence[int], max_new_tokens: int,
-    probe: Callable[[torch.device], int] = available_bytes,
+    probe: Callable[[torch.device], int] = available_bytes, admitted: Sequence[tuple[int, int]] = (),
 ) -> str | None:  # fmt: skip
-    """None when the rows fit in what ``device`` has free now; else the refusal's reason."""
+    """None when the rows fit in what ``device`` has free now, less what the rows admitted
+    before them may still take; else the refusal's reason. An admitted row counts at its
+    full need (its KV cache at full length): conservative for running rows, whose
+    allocated part the probe already sees, and exact for queued ones, which the probe
+    cannot see at all."""
     need = rows_bytes(config, dtype, prompt_lengths, max_new_tokens)
+    promised = sum(rows_bytes(config, dtype, [length], budget) for length, budget in admitted)
     free = probe(device)
-    if need + HEADROOM_BYTES <= free:
+    if need + promised + HEADROOM_BYTES <= free:
         return None
+    beside = f", {promised / 2**20:.0f} MiB of it promised to {len(admitted)} row(s) admitted before" if admitted else ""
     return (
         f"{len(prompt_lengths)} row(s) of up to {max(prompt_lengths, default=0) + max_new_tokens} tokens need about "
-        f"{need / 2**20:.0f} MiB on {device}; {free / 2**20:.0f} MiB are available"
+        f"{need / 2**20:.0f} MiB on {device}; {free / 2**20:.0f} MiB are available{beside}"
     )

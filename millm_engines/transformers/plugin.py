@@ -23,6 +23,8 @@ CAPABILITIES = frozenset(
         Capability.STEERING,
         Capability.CHAT_TEMPLATE_KWARGS,
         Capability.POOLINGS,
+        Capability.STRUCTURED_OUTPUT,
+        Capability.TOOLS,
     }
 )
 

@@ -9,6 +9,7 @@ the row's own logits and counters only.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -22,6 +23,18 @@ def apply_biases(logits: torch.Tensor, biases: Sequence[Mapping[int, float] | No
             ids = torch.tensor(list(bias.keys()), dtype=torch.long, device=logits.device)
             vals = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
             logits[row].index_add_(0, ids, vals)
+
+
+def apply_masks(logits: torch.Tensor, allowed: Sequence[Any]) -> None:
+    """Keep only each constrained row's allowed token ids (the rest become ``-inf``), in
+    place; a row whose entry is None is untouched."""
+    for row, ids in enumerate(allowed):
+        if ids is None:
+            continue
+        index = torch.as_tensor(ids, dtype=torch.long, device=logits.device)
+        kept = logits[row].index_select(0, index)
+        logits[row].fill_(float("-inf"))
+        logits[row].index_copy_(0, index, kept)
 
 
 def sample(

@@ -119,10 +119,11 @@ def build_tiny_model(
     return path
 
 
-def tiny_model_dir(root: str | None = None, *, chat_template: bool = True) -> str:
-    """The cached tiny model directory, built once (atomically) if missing."""
+def tiny_model_dir(root: str | None = None, *, chat_template: bool = True, context: int = 512) -> str:
+    """The cached tiny model directory, built once (atomically) if missing. ``context``
+    other than 512 gives the same weights with a longer window (tool prompts are long)."""
     root = root or os.path.join(os.path.expanduser("~"), ".cache", "millm", "test-models")
-    name = TINY_VERSION + ("" if chat_template else "-no-template")
+    name = TINY_VERSION + ("" if chat_template else "-no-template") + ("" if context == 512 else f"-ctx{context}")
     target = os.path.join(root, name)
     marker = os.path.join(target, "millm_source.json")
     if os.path.isfile(marker):
@@ -130,7 +131,7 @@ def tiny_model_dir(root: str | None = None, *, chat_template: bool = True) -> st
     os.makedirs(root, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".build-", dir=root)
     try:
-        build_tiny_model(staging, chat_template=chat_template)
+        build_tiny_model(staging, chat_template=chat_template, context=context)
         with open(os.path.join(staging, "millm_source.json"), "w") as fh:
             json.dump({"revision": name, "quantization": "none"}, fh)
         if os.path.isdir(target):

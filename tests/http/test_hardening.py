@@ -277,6 +277,37 @@ def test_a_request_that_cannot_fit_in_memory_is_503_before_it_runs(make_server, 
         del engine.memory_probe
 
 
+def test_memory_admitted_to_one_request_is_not_promised_to_the_next(make_server, tiny_model) -> None:  # type: ignore[no-untyped-def]
+    """Admission counts the rows admitted before and not finished (queued or running) as
+    taken: with room for one request, a second concurrent one is refused while the first
+    runs, and admitted once it ended (its claim released, streamed or not)."""
+    from millm_engines.transformers.memory import HEADROOM_BYTES, rows_bytes
+
+    engine = tiny_model.engine
+    dtype = next(engine.model.parameters()).dtype
+    prompt = len(engine.render_chat(MESSAGES))
+    one = rows_bytes(engine.model.config, dtype, [prompt], 200)
+    engine.memory_probe = lambda device: HEADROOM_BYTES + one + one // 2  # room for one such request, not two
+    try:
+        with make_server(models=[tiny_model]) as srv:
+            url = srv.base_url + "/v1/chat/completions"
+            body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 200, "stream": True}
+            with httpx.stream("POST", url, json=body, timeout=60) as first:
+                assert first.status_code == 200
+                lines = first.iter_lines()
+                next(lines)  # the first is admitted and streaming
+                second = _chat(srv.base_url, max_tokens=200)
+                assert second.status_code == 503, second.text
+                assert second.json()["error"]["code"] == "insufficient_memory"
+                assert "admitted before" in second.json()["error"]["message"]
+                for _ in lines:  # let the first finish
+                    pass
+            assert _chat(srv.base_url, max_tokens=200).status_code == 200  # the stream's claim was released
+            assert _chat(srv.base_url, max_tokens=200).status_code == 200  # and so was the non-streamed one's
+    finally:
+        del engine.memory_probe
+
+
 def test_slow_body_clients_are_capped_and_dropped(make_server) -> None:  # type: ignore[no-untyped-def]
     """A client that sends headers and then only part of its body holds a request slot:
     past --max-inflight others get 503 server_busy (health still answers), and after

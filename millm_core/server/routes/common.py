@@ -75,7 +75,9 @@ async def decode_request(request: Request, endpoint: Endpoint) -> Admission:
     enabled declares (refused in admission)."""
     state = app_state(request)
     if not len(state.models):
-        reason = f" ({state.load_error})" if state.load_error else " (still loading)" if state.loading else ""
+        # The load error's text stays in the log (model_load_failed): it may name paths.
+        failed = f" (the model failed to load: {state.load_error.split(':', 1)[0]})" if state.load_error else ""
+        reason = failed or (" (still loading)" if state.loading else "")
         raise ModelNotLoaded(f"No model is loaded{reason}; retry when GET /api/health/ready answers 200")
     type_ = state.request_types[endpoint]
     raw = decode_json(await read_body(request, state.settings.max_body_bytes, state.settings.read_timeout))
@@ -107,16 +109,25 @@ async def serve(request: Request, endpoint: Endpoint) -> Response:
     state, ctx, body = admission.state, admission.ctx, admission.request
     model = admit(admission)
     if endpoint != "embeddings":
-        await render_prompts(ctx, body, model, state.render_pool, RENDER_TIMEOUT_S)
+        await render_prompts(
+            ctx, body, model, state.render_pool, RENDER_TIMEOUT_S, adjust=lambda chat: state.host.render_chat(ctx, body, model, chat)
+        )
     execution = state.host.execute(ctx, body, model)
     if isinstance(execution, Generate) and endpoint != "embeddings":
         prepared = prepare_generation(state, ctx, body, model)
-        refuse_unused_if_strict(ctx)  # after every place that can report a field
-        log_unused(ctx)
-        shapes = CHAT_SHAPES if endpoint == "chat.completions" else COMPLETION_SHAPES
-        if ctx.stream:
-            return stream(state, prepared, shapes)  # a stream notices a disconnect itself
-        return await until_disconnect(request, complete(state, prepared, shapes))
+        try:
+            refuse_unused_if_strict(ctx)  # after every place that can report a field
+            log_unused(ctx)
+            shapes = CHAT_SHAPES if endpoint == "chat.completions" else COMPLETION_SHAPES
+            if ctx.stream:
+                return stream(state, prepared, shapes)  # a stream notices a disconnect itself, and releases its claim
+            return await until_disconnect(request, complete(state, prepared, shapes))
+        except BaseException:
+            prepared.release()
+            raise
+        finally:
+            if not ctx.stream:
+                prepared.release()
     if isinstance(execution, Compute):
         refuse_unused_if_strict(ctx)
         log_unused(ctx)
