@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import httpx  # noqa: E402
-from bench_decode import bench_model_dir, save_results  # noqa: E402
+from bench_decode import bench_model_dir, save_results, wait_loaded  # noqa: E402
 
 from millm_core.config import load_settings  # noqa: E402
 from millm_core.engine import ModelLocation  # noqa: E402
@@ -74,11 +74,7 @@ def main() -> None:
     app = create_app(settings, host=build_host(settings), loader=loader)
     results: dict[str, list[float]] = {"one_after_another": [], "all_at_once": []}
     with RunningServer(app) as server:
-        deadline = time.monotonic() + 600
-        while not len(app.state.millm.models):
-            if time.monotonic() > deadline or app.state.millm.load_error:
-                raise RuntimeError(f"model did not load: {app.state.millm.load_error}")
-            time.sleep(0.1)
+        wait_loaded(app)
         complete(server.base_url, PROMPTS[0], 4)  # warm-up
         for repeat in range(args.repeats):
             order = ("one_after_another", "all_at_once") if repeat % 2 == 0 else ("all_at_once", "one_after_another")

@@ -59,6 +59,15 @@ def smollm2_dir() -> str:
     return converted_dir(cache_root(load_settings(environ={})))[0]
 
 
+def wait_loaded(app: Any, timeout: float = 600) -> None:
+    """Wait until a created app's model is loaded (its loader runs in the background)."""
+    deadline = time.monotonic() + timeout
+    while not len(app.state.millm.models):
+        if time.monotonic() > deadline or app.state.millm.load_error:
+            raise RuntimeError(f"model did not load: {app.state.millm.load_error}")
+        time.sleep(0.1)
+
+
 def save_results(name: str, reports: list[dict[str, Any]]) -> None:
     """Write a run's reports under bench/results/ (ignored by git)."""
     folder = os.path.join(os.path.dirname(__file__), "results")

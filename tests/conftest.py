@@ -132,3 +132,32 @@ def gguf_model(gguf_path: str) -> ServedModel:
 def gguf_server(make_server, gguf_model: ServedModel) -> Iterator[RunningServer]:  # type: ignore[no-untyped-def]
     with make_server(models=[gguf_model]) as srv:
         yield srv
+
+
+# ------------------------------------------------------------------ tool-calling templates
+
+TEMPLATES = os.path.join(os.path.dirname(__file__), "fixtures", "templates")
+EXAMPLE_TOOLS_TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "examples", "templates", "smollm2-hermes-tools.jinja")
+
+
+@pytest.fixture(scope="session")
+def tool_models() -> dict[str, ServedModel]:
+    """The tiny model (with a 2048-token window: tool lists are long in its small
+    vocabulary) served with each call format's chat template (``--chat-template``):
+    ``tiny-hermes``, ``tiny-lfm2``, ``tiny-llama3``, and ``tiny`` with the example
+    SmolLM2 Hermes template that docs/tools.md's examples use."""
+    tiny_dir = tiny_model_dir(context=2048)
+    models: dict[str, ServedModel] = {}
+    for name in ("hermes", "lfm2", "llama3"):
+        settings = load_settings({"log_level": "warning", "chat_template": os.path.join(TEMPLATES, f"{name}.jinja")}, environ={})
+        models[name] = _load(tiny_dir, f"tiny-{name}", settings)
+    settings = load_settings({"log_level": "warning", "chat_template": EXAMPLE_TOOLS_TEMPLATE}, environ={})
+    models["example"] = _load(tiny_dir, TINY, settings)
+    return models
+
+
+@pytest.fixture(scope="session")
+def tools_server(make_server: ServerFactory, tool_models: dict[str, ServedModel], no_template_model: ServedModel) -> Iterator[RunningServer]:
+    """A server whose models take tools (one per call format), beside one without a template."""
+    with make_server(models=[*tool_models.values(), no_template_model]) as srv:
+        yield srv

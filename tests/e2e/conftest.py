@@ -56,3 +56,17 @@ def smollm2_server() -> Iterator[ServeProcess]:
         yield server
     finally:
         server.stop()
+
+
+EXAMPLE_TOOLS_TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "templates", "smollm2-hermes-tools.jinja")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tools_server() -> Iterator[ServeProcess]:
+    """The default model served with the example Hermes-style template (docs/tools.md)."""
+    server = ServeProcess(["--chat-template", EXAMPLE_TOOLS_TEMPLATE])
+    try:
+        server.wait_ready(timeout=600)
+        yield server
+    finally:
+        server.stop()

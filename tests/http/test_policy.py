@@ -70,8 +70,11 @@ def test_table_has_one_cell_per_field_endpoint_and_engine(server) -> None:  # ty
         assert (cell["status"] == "refused") == (cell["reason"] is not None)
 
 
-def test_every_cell_behaves_as_the_table_says(server, gguf_server) -> None:  # type: ignore[no-untyped-def]
-    """Each engine's cells are checked on a server running that engine."""
+def test_every_cell_behaves_as_the_table_says(server, gguf_server, tools_server) -> None:  # type: ignore[no-untyped-def]
+    """Each engine's cells are checked on a server running that engine. ``tools`` is
+    honoured when the model's template takes tools: checked on the tiny model served with
+    a tools template (transformers), and refused where the template takes none (the tiny
+    GGUF's embedded one)."""
     servers = {"transformers": (server, "tiny"), "gguf": (gguf_server, "tiny:F32")}
     for cell in table(server.base_url):
         field, endpoint = cell["field"], cell["endpoint"]
@@ -79,6 +82,13 @@ def test_every_cell_behaves_as_the_table_says(server, gguf_server) -> None:  # t
             continue
         assert field in SAMPLES, f"add a sample value for {field}"
         srv, model = servers[cell["engine"]]
+        if field == "tools" and cell["status"] == "honoured-with-condition":
+            if cell["engine"] == "transformers":
+                srv = tools_server
+            else:  # the condition is not met: refused by name, with the template's reason
+                resp = httpx.post(srv.base_url + PATHS[endpoint], json={**BASES[endpoint], "model": model, field: SAMPLES[field]}, timeout=30)
+                assert (resp.status_code, resp.json()["error"]["param"]) == (400, "tools") and "takes no tools" in resp.text, resp.text
+                continue
         body = {**BASES[endpoint], "model": model, field: SAMPLE_OVERRIDES.get((field, endpoint), SAMPLES[field])}
         if cell["status"] == "honoured-with-condition":
             body.update(CONDITIONS.get(field, {}))

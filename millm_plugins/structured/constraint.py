@@ -1,0 +1,647 @@
+"""The per-token constraint: which tokens may come next so that a row's text stays a
+prefix of one JSON document (of a schema from millm's subset), built on
+lm-format-enforcer's character-level ``JsonSchemaParser`` and ``TokenEnforcer``.
+
+lm-format-enforcer 0.11.3 crashes on, or silently loosens, several schemas of the subset,
+so :func:`lower` first rewrites a checked schema into the dialect it handles (each rule
+below names the quirk it works around). What the mask still cannot enforce is enforced by
+the final :func:`~.schema.validate` alone (a complete document that fails it is a 500):
+
+- ``minimum``/``maximum`` (the library has no numeric bounds);
+- ``minLength`` or ``maxLength`` together with ``pattern`` (the library refuses the
+  pair; the pattern is kept), and ``minLength`` met by a surrogate-pair escape
+  (``\\ud83d\\ude00`` counts as two characters while generated, one in the document);
+- ``enum``/``const`` strings holding ``"``, ``\\`` or control characters, and
+  ``enum``/``const`` objects or arrays holding strings (loosened to their JSON type);
+- ``$ref`` with sibling keywords (the ref alone is followed), and ``anyOf`` branches whose
+  keywords overlap the keywords beside the ``anyOf`` (the branch's win);
+- ``additionalProperties`` beside ``properties`` is stricter, not looser: only the listed
+  properties are generated. A ``pattern`` is generated as a full match (see
+  :func:`~.schema.enforcer_pattern`), also stricter than the schema.
+
+The mask works on characters the vocabulary spells whole: an ``enum``/``const`` string,
+property name or pattern character that only exists as partial-character byte tokens (rare
+non-ASCII with a byte-level BPE vocabulary) cannot be generated, and such a row fails
+(:attr:`JsonConstraint.failed`). Free text takes any token, partial ones included.
+
+Whitespace: the library allows 12 consecutive whitespace characters between JSON tokens,
+enough for a small model to spend its budget on newlines. Here at most
+:data:`MAX_CONSECUTIVE_WHITESPACE` (2) are allowed anywhere outside free-text strings:
+``{"a": 1, "b": [1, 2]}`` and one newline plus a space fit, pretty-printed indentation does
+not. Arrays without ``maxItems`` are not capped (the library caps them at 20 by default,
+which would silently refuse valid documents).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import structlog
+from jsonschema import Draft202012Validator
+from lmformatenforcer import (
+    CharacterLevelParser,
+    CharacterLevelParserConfig,
+    JsonSchemaParser,
+    RegexParser,
+    SequenceParser,
+    StringParser,
+    TokenEnforcer,
+    TokenEnforcerTokenizerData,
+    UnionParser,
+)
+from lmformatenforcer.characterlevelparser import ForceStopParser
+from lmformatenforcer.consts import COMPLETE_ALPHABET, WHITESPACE_CHARACTERS
+from lmformatenforcer.external.jsonschemaobject import JsonSchemaObject
+from lmformatenforcer.jsonschemaparser import (
+    ListParsingState,
+    NumberParsingState,
+    ObjectParsingStage,
+    ObjectParsingState,
+    StringParsingState,
+)
+
+from .schema import ANNOTATIONS, DEFS, SCHEMA_PARAM, ResponseFormatUnsupported, SchemaProblem, enforcer_pattern, resolve_local_ref
+
+log = structlog.get_logger("millm.structured")
+
+MAX_CONSECUTIVE_WHITESPACE = 2
+# "integer" is a subset of "number" and "number" already generates it.
+_ANY_TYPES = ("object", "array", "string", "number", "boolean", "null")
+
+
+def parser_config() -> CharacterLevelParserConfig:
+    """The parser settings millm uses, explicit so that the library's ``LMFE_*``
+    environment variables cannot change them: printable-ASCII alphabet for strings that
+    are explored character by character (free text takes any token), at most
+    :data:`MAX_CONSECUTIVE_WHITESPACE` whitespace characters in a row, keys in any order,
+    arrays not capped beyond their ``maxItems``."""
+    return CharacterLevelParserConfig(
+        alphabet=COMPLETE_ALPHABET,
+        max_consecutive_whitespaces=MAX_CONSECUTIVE_WHITESPACE,
+        force_json_field_order=False,
+        max_json_array_length=0,
+    )
+
+
+class _Literal(float):
+    """A JSON value the parser must emit verbatim. The library's ``enum`` support emits
+    a number list as the ``str()`` of each item, unquoted; this float's ``str()`` is any
+    JSON text without quotes or backslashes (``true``, ``null``, ``[1,2]``), which is how
+    non-string ``enum``/``const`` values are enforced exactly. (Its own handling passes
+    ``true`` through as ``True``, and crashes on a numeric ``const``.)"""
+
+    text: str
+
+    def __new__(cls, text: str) -> _Literal:
+        value = super().__new__(cls, 0.0)
+        value.text = text
+        return value
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __repr__(self) -> str:
+        return f"_Literal({self.text!r})"
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+def _type_set(types: Any) -> set[str]:
+    return set(types) if isinstance(types, list) else {types}
+
+
+def _merge(outer: dict[str, Any], branch: dict[str, Any]) -> dict[str, Any] | None:
+    """``branch`` with the keywords written beside its ``anyOf``; ``None`` when their
+    types cannot meet. ``required`` is united, ``properties`` joined, ``type`` intersected
+    (integer within number); for any other keyword in both, the branch's wins (loose)."""
+    merged = dict(branch)
+    for key, value in outer.items():
+        if key not in merged:
+            merged[key] = value
+        elif key == "required":
+            merged[key] = list(dict.fromkeys([*merged[key], *value]))
+        elif key == "properties":
+            merged[key] = {**value, **merged[key]}
+        elif key == "type":
+            a, b = _type_set(value), _type_set(merged[key])
+            both = (a & b) | ({"integer"} if ("integer" in a and "number" in b) or ("number" in a and "integer" in b) else set())
+            if not both:
+                return None
+            merged[key] = sorted(both)
+    return merged
+
+
+class _Lowerer:
+    """Rewrites a schema checked by :func:`~.schema.check_schema` into what
+    ``JsonSchemaParser`` enforces correctly. Refs become ``#/$defs/d<n>`` into one root
+    ``$defs`` (the library resolves a ref by its last path segment, in the root only),
+    lowered lazily so recursive schemas stay finite."""
+
+    def __init__(self, root: dict[str, Any]) -> None:
+        self.root = root
+        self.names: dict[str, str] = {}
+        self.defs: dict[str, Any] = {}
+        self.pending: list[str] = []
+
+    def lower(self) -> dict[str, Any]:
+        top = self.node(self.root)
+        while self.pending:
+            ref = self.pending.pop()
+            self.defs[self.names[ref]] = self.node(resolve_local_ref(self.root, ref))
+        if self.defs:
+            top = {**top, "$defs": self.defs}
+        return top
+
+    def ref(self, ref: str) -> dict[str, Any]:
+        if ref not in self.names:
+            self.names[ref] = f"d{len(self.names)}"
+            self.pending.append(ref)
+        return {"$ref": f"#/$defs/{self.names[ref]}"}
+
+    def node(self, schema: dict[str, Any]) -> dict[str, Any]:
+        s = {k: v for k, v in schema.items() if k not in ANNOTATIONS and k not in DEFS}
+        if "$ref" in s:
+            return self.ref(s["$ref"])
+        if "anyOf" in s:
+            outer = {k: v for k, v in s.items() if k != "anyOf"}
+            merged = [m for m in (_merge(outer, b) for b in s["anyOf"]) if m is not None]
+            return {"anyOf": [self.node(m) for m in (merged or s["anyOf"])]}
+        if "const" in s or "enum" in s:
+            return self.values(s)
+        types = s.get("type", list(_ANY_TYPES))
+        if isinstance(types, list):
+            kinds = list(dict.fromkeys(types))
+            if "number" in kinds and "integer" in kinds:
+                kinds.remove("integer")
+            if len(kinds) != 1:  # the library drops every other keyword for a type list
+                return {"anyOf": [self.typed(s, t) for t in kinds]}
+            types = kinds[0]
+        return self.typed(s, types)
+
+    def values(self, s: dict[str, Any]) -> dict[str, Any]:
+        candidates = list(s["enum"]) if "enum" in s else [s["const"]]
+        rest = {k: v for k, v in s.items() if k not in ("enum", "const")}
+        if "enum" in s and "const" in s:
+            rest["const"] = s["const"]
+        if rest:  # enum values must also satisfy the keywords beside them
+            validator = Draft202012Validator({**rest, **{k: self.root[k] for k in DEFS if k in self.root}})
+            candidates = [v for v in candidates if validator.is_valid(v)] or candidates
+        branches: list[dict[str, Any]] = []
+        strings = [v for v in candidates if isinstance(v, str)]
+        plain = [v for v in strings if not any(c in '"\\' or ord(c) < 0x20 for c in v)]
+        if plain:
+            branches.append({"enum": list(dict.fromkeys(plain))})
+        loose = {"string"} if len(plain) < len(strings) else set()
+        texts = []
+        for value in candidates:
+            if not isinstance(value, str):
+                text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+                if '"' in text or "\\" in text:
+                    loose.add(_json_type(value))
+                else:
+                    texts.append(text)
+        if texts:
+            branches.append({"enum": [_Literal(t) for t in dict.fromkeys(texts)]})
+        branches += [self.typed({}, t) for t in sorted(loose)]
+        return branches[0] if len(branches) == 1 else {"anyOf": branches}
+
+    def typed(self, s: dict[str, Any], kind: str) -> dict[str, Any]:
+        if kind == "string":
+            out: dict[str, Any] = {"type": "string"}
+            if "pattern" in s:  # the library refuses pattern with lengths: keep the pattern
+                out["pattern"] = enforcer_pattern(s["pattern"])
+            elif s.get("maxLength") == 0:  # its free-text shortcut reads 0 as "no limit"
+                return {"enum": [""]}
+            else:
+                out.update({k: s[k] for k in ("minLength", "maxLength") if k in s})
+            return out
+        if kind == "array":
+            if s.get("maxItems") == 0:  # the library would still allow one item
+                return {"enum": [_Literal("[]")]}
+            out = {"type": "array", **{k: s[k] for k in ("minItems", "maxItems") if k in s}}
+            if isinstance(s.get("items"), dict):
+                out["items"] = self.node(s["items"])
+            return out
+        if kind == "object":
+            return self.object(s)
+        return {"type": kind}  # number and integer bounds are not enforced by the library
+
+    def object(self, s: dict[str, Any]) -> dict[str, Any]:
+        required = list(s.get("required", []))
+        extra = s.get("additionalProperties", True)
+        out: dict[str, Any] = {"type": "object", "required": required}
+        if "properties" in s:
+            # With properties the library generates only those keys (stricter than
+            # additionalProperties); a required key missing from them would never come.
+            properties = {k: self.node(v) for k, v in s["properties"].items()}
+            for key in required:
+                if key not in properties and extra is not False:
+                    properties[key] = self.node(extra if isinstance(extra, dict) else {})
+            out["properties"] = properties
+        elif extra is False:
+            out["properties"] = {}  # the library reads additionalProperties: false as "any"
+        elif isinstance(extra, dict):
+            out["additionalProperties"] = self.node(extra)
+        # additionalProperties: true crashes the library; absent means the same.
+        return out
+
+
+def lower(schema: dict[str, Any] | None) -> dict[str, Any]:
+    """``schema`` (checked by :func:`~.schema.check_schema`) rewritten for the library's
+    ``JsonSchemaParser``; ``None`` (``json_object`` mode) is any JSON object."""
+    return _Lowerer(schema if schema is not None else {"type": "object"}).lower()
+
+
+def _patterns(node: Any) -> set[str]:
+    found: set[str] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, dict):
+            if current.get("type") == "string" and isinstance(current.get("pattern"), str):
+                found.add(current["pattern"])
+            stack.extend(current.values())
+        elif isinstance(current, list):
+            stack.extend(current)
+    return found
+
+
+def _json_parser(lowered: dict[str, Any], config: CharacterLevelParserConfig) -> JsonSchemaParser:
+    context = JsonSchemaParser._Context()
+    context.model_class = JsonSchemaObject(**lowered)
+    context.alphabet_without_quotes = config.alphabet.replace('"', "")
+    # The library's regex cache is a class attribute shared by every parser in the
+    # process (it grows with every pattern ever seen); this parser gets its own, filled
+    # now so no automaton is compiled inside a decode step.
+    context.regex_parser_cache = {}
+    for pattern in _patterns(lowered):
+        try:
+            context.regex_parser_cache[pattern] = RegexParser(pattern, config)
+        except Exception as exc:
+            problem = SchemaProblem("", "pattern", f"pattern {pattern!r} cannot be compiled ({exc})")
+            raise ResponseFormatUnsupported(
+                f"the schema cannot be constrained: {problem.describe()}", param=SCHEMA_PARAM, problems=(problem,)
+            ) from None
+    parser = JsonSchemaParser(context, config)
+    context.active_parser = parser
+    return parser
+
+
+def _in_string(state: Any) -> bool:
+    """Whether ``state`` is a quoted string (value or key) between its quotes."""
+    return (
+        isinstance(state, StringParsingState) and state.require_opening_quote and state.seen_opening_quote and not state.seen_closing_quote
+    )
+
+
+def _free_text(state: Any) -> bool:
+    """Whether ``state`` is an open string of any text (no enum, no pattern) with room left."""
+    return (
+        _in_string(state)
+        and not state.allowed_strings
+        and state.regex_parser is None
+        and (state.max_length is None or len(state.parsed_string) < state.max_length)
+    )
+
+
+def _top_members(parser: Any) -> list[Any]:
+    """The innermost open values of a ``JsonSchemaParser`` (several under a union)."""
+    stack = getattr(parser, "object_stack", None)
+    members, pending = [], list(stack[-1:]) if stack else []
+    while pending:
+        state = pending.pop(0)
+        if isinstance(state, UnionParser):
+            pending[:0] = state.parsers
+        else:
+            members.append(state)
+    return members
+
+
+def _is_text(character: str) -> bool:
+    return len(character) == 1 and ord(character) >= 0x20 and character not in '"\\'
+
+
+class _TextChars(str):
+    """The allowed characters of a state inside free text: iterating it gives the parser's
+    alphabet (what the token tree is explored with), but ``in`` also admits any other
+    text character, as the free-text token list does (``UnionParser`` and
+    ``SequenceParser`` route a character with ``in``)."""
+
+    __slots__ = ()
+
+    def __contains__(self, character: object) -> bool:
+        return isinstance(character, str) and (str.__contains__(self, character) or _is_text(character))
+
+
+class _Repaired(CharacterLevelParser):
+    """Wraps a ``JsonSchemaParser`` (and, through unions, each of its successors) to close
+    holes in the library's character handling:
+
+    - an integer may take an exponent (``1e-5``) and, after ``-0``, a fraction: while the
+      innermost value is an integer, ``e``, ``E`` and ``.`` are withheld;
+    - whitespace at the start of a string's content is dropped (it reads it as whitespace
+      before the value), so ``" pro o"`` passed ``maxLength: 5`` and a pattern never saw
+      it: it is appended to the string here;
+    - a character outside the parser's alphabet arriving in free text (a multi-byte
+      character completed by its last byte token) made it pop every open value and report
+      the document complete: it is appended to the string here, and unions and sequences
+      route it here (see :class:`_TextChars`);
+    - an object took ``}`` right after a comma (``{"a": 1,}``): withheld there;
+    - an ``anyOf`` of arrays lost its items (``["a", "b"]`` was refused after the comma),
+      and nested ``anyOf`` objects mixed their keys: the readings are split before ``[``
+      or ``{`` reaches them (see :meth:`_split`);
+    - any other character no open value accepts now raises (the enforcer then stops the
+      row and :class:`JsonConstraint` reports it) instead of ending the document."""
+
+    def __init__(self, inner: CharacterLevelParser) -> None:
+        super().__init__(getattr(inner, "_config", None))
+        self.inner = inner
+
+    def add_character(self, new_character: str) -> CharacterLevelParser:
+        inner = self.inner
+        members = _top_members(inner)
+        if any(self._string_takes(m, new_character) for m in members):
+            return _Repaired(self._append(inner, members, new_character))
+        if (
+            new_character in "[{"
+            and len(members) > 1
+            and any(isinstance(m, ListParsingState | ObjectParsingState) and new_character in m.get_allowed_characters() for m in members)
+        ):
+            return self._split(inner, members, new_character)
+        following = inner.add_character(new_character)
+        if isinstance(following, UnionParser):
+            return _RepairedUnion([_Repaired(p) for p in following.parsers])
+        if members and not getattr(following, "object_stack", True) and new_character not in inner.get_allowed_characters():
+            raise ValueError(f"{new_character!r} is not allowed here")
+        return _Repaired(following)
+
+    @staticmethod
+    def _string_takes(state: Any, character: str) -> bool:
+        """Whether the open string ``state`` must take ``character`` although the library
+        would not: leading whitespace it would drop, or text outside its alphabet."""
+        if not _in_string(state):
+            return False
+        if character in WHITESPACE_CHARACTERS:
+            return not state.parsed_string and character in state.get_allowed_characters()
+        return _free_text(state) and _is_text(character) and character not in state.get_allowed_characters()
+
+    @staticmethod
+    def _split(inner: Any, members: list[Any], character: str) -> CharacterLevelParser:
+        """``inner``'s successor after ``[`` or ``{`` when several open values could take
+        it (an ``anyOf`` of arrays or objects): one reading per value, each with its own
+        stack. The library lets every array push its first item onto the one shared stack
+        before it splits the readings, so each reading then holds every array's item
+        parser; and it does not split an ``anyOf`` nested in an ``anyOf`` at all, so the
+        objects' keys all land on one stack."""
+        readings = []
+        for state in members:
+            if character in state.get_allowed_characters():
+                reading = JsonSchemaParser(
+                    inner.context, inner.config, [*inner.object_stack[:-1], state], inner.num_consecutive_whitespaces
+                )
+                reading.last_parsed_string = inner.last_parsed_string
+                reading.last_non_whitespace_character = inner.last_non_whitespace_character
+                reading.context.active_parser = reading
+                readings.append(_Repaired(reading).add_character(character))
+        return readings[0] if len(readings) == 1 else _RepairedUnion(readings)
+
+    @classmethod
+    def _append(cls, inner: Any, members: list[Any], character: str) -> CharacterLevelParser:
+        """``inner``'s successor after ``character``, each open value taking it its way."""
+        taken = []
+        for state in members:
+            if cls._string_takes(state, character):
+                grown = state._clone()
+                grown.parsed_string += character
+                if grown.regex_parser is not None:
+                    grown.regex_parser = grown.regex_parser.add_character(character)
+                taken.append(grown)
+            elif character in state.get_allowed_characters():
+                taken.append(state.add_character(character))  # whitespace or text: pushes nothing
+        whitespace = character in WHITESPACE_CHARACTERS
+        top = taken[0] if len(taken) == 1 else UnionParser(taken)
+        following = JsonSchemaParser(
+            inner.context, inner.config, [*inner.object_stack[:-1], top], inner.num_consecutive_whitespaces + 1 if whitespace else 0
+        )
+        following.context.active_parser = following
+        following.last_parsed_string = inner.last_parsed_string
+        following.last_non_whitespace_character = inner.last_non_whitespace_character if whitespace else character
+        return following
+
+    def get_allowed_characters(self) -> str:
+        allowed: str = self.inner.get_allowed_characters()
+        members = _top_members(self.inner)
+        if any(isinstance(p, NumberParsingState) and not p.allow_floating_point for p in members):
+            allowed = allowed.replace("e", "").replace("E", "").replace(".", "")
+        if len(members) == 1 and isinstance(members[0], ObjectParsingState):
+            top = members[0]
+            if top.current_stage == ObjectParsingStage.PARSING_KEY_OR_END and top.existing_keys:
+                allowed = allowed.replace("}", "")  # after a comma: no trailing comma
+        if any(_free_text(p) for p in members):
+            return _TextChars(allowed)
+        return allowed
+
+    def can_end(self) -> bool:
+        return bool(self.inner.can_end())
+
+    def shortcut_key(self) -> Any:
+        return self.inner.shortcut_key()
+
+    def cache_key(self) -> Any:
+        return self.inner.cache_key()
+
+
+class _RepairedUnion(UnionParser):
+    """A union of :class:`_Repaired` readings (an ``anyOf`` of objects or arrays) that
+    keeps their free-text routing: a character goes to each reading that takes it."""
+
+    def add_character(self, new_character: str) -> CharacterLevelParser:
+        following = [p.add_character(new_character) for p in self.parsers if new_character in p.get_allowed_characters()]
+        return following[0] if len(following) == 1 else _RepairedUnion(following)
+
+    def get_allowed_characters(self) -> str:
+        readings = [p.get_allowed_characters() for p in self.parsers]
+        allowed = "".join(set("".join(readings)))
+        return _TextChars(allowed) if any(isinstance(r, _TextChars) for r in readings) else allowed
+
+
+def parser_for(schema: dict[str, Any] | None, suffix: str = "") -> CharacterLevelParser:
+    """A fresh character-level parser for one row: one JSON document of ``schema``
+    (checked by :func:`~.schema.check_schema`; ``None``: any JSON object), then exactly
+    ``suffix`` when it is not empty. Parsers hold mutable state shared by their
+    successors: build one per row, never share one between rows.
+
+    Raises :class:`~.schema.ResponseFormatUnsupported` for a ``pattern`` whose automaton
+    cannot be built (the check parses patterns; building happens here, once per row)."""
+    config = parser_config()
+    parser: CharacterLevelParser = _Repaired(_json_parser(lower(schema), config))
+    if suffix:
+        parser = SequenceParser([parser, StringParser(suffix)])
+    return parser
+
+
+def _bounded_string_open(parser: Any) -> bool:
+    """Whether some reading of ``parser`` is inside a free-text string with ``maxLength``."""
+    stack = [parser]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, _Repaired):
+            if any(
+                _in_string(m) and m.max_length is not None and not m.allowed_strings and m.regex_parser is None
+                for m in _top_members(current.inner)
+            ):
+                return True
+        elif isinstance(current, UnionParser):
+            stack.extend(current.parsers)
+        elif isinstance(current, SequenceParser) and current.parsers:
+            stack.append(current.parsers[0])
+    return False
+
+
+class JsonConstraint:
+    """One row's constraint, a millm token processor: before each step
+    :meth:`allowed_tokens` lists the token ids that keep the generated text (never the
+    prompt) a prefix of a document the parser accepts, eos ids included once the document
+    may end. It never stops a row itself; the row ends when eos is drawn.
+
+    If the enforcer fails (raises, reaches a state with no allowed token, or is handed a
+    token outside the allowed set) the row is steered to an end: ``allowed_tokens`` returns
+    the eos ids from then on, :attr:`failed` is set and :attr:`reason` says why, so the
+    caller can report the row alone and its batch neighbours carry on."""
+
+    def __init__(self, data: TokenEnforcerTokenizerData, parser: CharacterLevelParser) -> None:
+        config = getattr(parser, "_config", None)
+        self._enforcer = TokenEnforcer(data, parser)
+        if config is not None:  # the enforcer installs its defaults on the root parser
+            parser.config = config
+        eos = data.eos_token_id if isinstance(data.eos_token_id, list) else [data.eos_token_id]
+        self._eos_ids = frozenset(int(i) for i in eos)
+        self._eos = np.array(sorted(self._eos_ids), dtype=np.int64)
+        size = max(data.vocab_size, *self._eos_ids) + 1
+        partial = np.zeros(size, dtype=bool)
+        known = getattr(data, "partial_tokens", None)
+        if known is not None:
+            partial[: len(known)] = known[:size]
+        else:
+            partial[[i for i, text, _ in data.regular_tokens if "\ufffd" in text and i < size]] = True
+        self._partial = partial if partial.any() else None
+        # Shared by every row of this vocabulary (see _to_array); a row alone otherwise.
+        self._freetext_arrays: dict[int, tuple[list[int], np.ndarray]] = getattr(data, "freetext_arrays", {})
+        self._ids: list[int] = []
+        self._fed = -1  # the longest prefix of _ids the enforcer has seen
+        self._last: tuple[list[int], np.ndarray] | None = None
+        self._ended = False
+        self.failed = False
+        self.reason: str | None = None
+
+    @property
+    def generated(self) -> list[int]:
+        """The token ids recorded so far (eos excluded)."""
+        return list(self._ids)
+
+    @property
+    def complete(self) -> bool:
+        """Whether the text so far is a whole document (the parser may end here)."""
+        if self.failed:
+            return False
+        try:
+            state = self._advance()
+        except Exception:
+            return False
+        return bool(state.parser.can_end())
+
+    def logit_bias(self) -> None:
+        return None
+
+    def _fail(self, reason: str) -> np.ndarray:
+        if not self.failed:
+            self.failed, self.reason = True, reason
+            log.warning("constraint_failed", reason=reason)
+        return self._eos
+
+    def allowed_tokens(self) -> np.ndarray:
+        """The token ids allowed next, as a 1-D int64 array (may hold duplicates)."""
+        if self.failed or self._ended:
+            return self._eos
+        try:
+            state = self._advance()
+            allowed = self._enforcer.get_allowed_tokens(self._ids).allowed_tokens
+        except Exception as exc:  # a bug or a schema corner the library cannot parse
+            return self._fail(f"the constraint library raised {type(exc).__name__}: {exc}")
+        if isinstance(state.parser, ForceStopParser):
+            return self._fail("a token outside the allowed set was applied")
+        if not allowed or (len(allowed) <= len(self._eos_ids) and set(allowed) <= self._eos_ids and not state.parser.can_end()):
+            return self._fail("the constraint reached a state with no allowed token")
+        if self._last is not None and self._last[0] is allowed:
+            return self._last[1]
+        array = self._to_array(state.parser, allowed)
+        if self._partial is not None and _bounded_string_open(state.parser):
+            array = array[~self._partial[array]]  # see TokenizerData.partial_tokens
+        self._last = (allowed, array)  # the list is kept so its id cannot be reused
+        return array
+
+    def _advance(self) -> Any:
+        """The enforcer's state after every recorded token. Feeds each prefix not yet seen
+        (``on_token`` may run more than once between steps) and drops the state behind
+        it: the enforcer keeps one state, with its allowed-token list, per prefix, which
+        would otherwise grow by up to a vocabulary of ids per step."""
+        for n in range(self._fed + 1, len(self._ids) + 1):
+            self._enforcer.get_allowed_tokens(self._ids[:n])
+            if n > 0:
+                self._enforcer.prefix_states.pop(tuple(self._ids[: n - 1]), None)
+            self._fed = n
+        return self._enforcer.prefix_states[tuple(self._ids)]
+
+    def _to_array(self, parser: Any, allowed: list[int]) -> np.ndarray:
+        """``allowed`` as an array. Inside a free-text string the enforcer's list is one of
+        its cached free-text lists (up to a vocabulary of ids, the same list object for the
+        same length bounds) followed by the few tokens that close the string; that list's
+        array is converted once per vocabulary and shared, so a step converts only the tail."""
+        head = self._freetext_head(parser)
+        if head is None or len(allowed) < len(head) or (head and (allowed[0] != head[0] or allowed[len(head) - 1] != head[-1])):
+            return np.fromiter(allowed, dtype=np.int64, count=len(allowed))
+        arrays = self._freetext_arrays
+        cached = arrays.get(id(head))
+        if cached is None or cached[0] is not head:
+            cached = (head, np.fromiter(head, dtype=np.int64, count=len(head)))
+            arrays[id(head)] = cached  # the list is kept so its id cannot be reused
+        tail = allowed[len(head) :]
+        return np.concatenate([cached[1], np.fromiter(tail, dtype=np.int64, count=len(tail))])
+
+    def _freetext_head(self, parser: Any) -> list[int] | None:
+        """The enforcer's cached free-text list for this state (its own computation in
+        ``TokenEnforcer._collect_allowed_tokens``), or ``None`` outside free text."""
+        key = parser.shortcut_key()
+        if not (isinstance(key, tuple) and len(key) == 4 and key[0] == "json_freetext"):
+            return None
+        _, cur_len, min_len, max_len = key
+        cache = self._enforcer.tokenizer_tree.json_freetext_tokens
+        min_remaining = min(cache.max_token_len, max(0, min_len - cur_len))
+        max_allowed_len = min(cache.max_token_len, max_len - cur_len)
+        head: list[int] = cache.lookup_allowed_tokens(min_remaining, max_allowed_len).allowed_tokens
+        return head
+
+    def on_token(self, token_id: int, text: str) -> tuple[str, bool]:
+        """Record a drawn token (``-1``: text with no token, not recorded)."""
+        if token_id in self._eos_ids:
+            self._ended = True
+        elif token_id != -1:
+            self._ids.append(int(token_id))
+        return text, False
+
+    def flush(self) -> str:
+        return ""

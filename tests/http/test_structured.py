@@ -1,0 +1,180 @@
+"""Structured output over HTTP on a real server: ``response_format`` json_object and
+json_schema with the tiny model (transformers) and its GGUF copy, streamed and not, in
+shared batches, and the refusals.
+
+The schemas are bounded (enums, booleans, short strings), so that a random-weight model
+must close the document within the token budget: a ``"stop"`` is then owed, and the
+document must parse and validate whatever the weights say.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from millm_core.testing import RunningServer
+
+from .helpers import sse_frames
+
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": ["humor", "not_humor"]},
+        "sure": {"type": "boolean"},
+        "note": {"type": "string", "maxLength": 8},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["label", "sure", "note", "tags"],
+    "additionalProperties": False,
+}
+JUDGE = {"type": "json_schema", "json_schema": {"name": "judge_v1", "strict": True, "schema": BOUNDED}}
+MESSAGES = [{"role": "user", "content": "Is this funny? A horse walks into a bar."}]
+
+
+def _chat(server: RunningServer, **body: Any) -> httpx.Response:
+    payload = {"model": "tiny", "messages": MESSAGES, "max_tokens": 120, "temperature": 0, **body}
+    return httpx.post(server.base_url + "/v1/chat/completions", json=payload, timeout=120)
+
+
+def test_a_schema_constrained_reply_is_closed_and_validates(server: RunningServer) -> None:
+    resp = _chat(server, response_format=JUDGE)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-millm-constrained"] == 'json_schema;name="judge_v1"'
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(choice["message"]["content"]), BOUNDED)
+
+
+def test_sampled_choices_are_each_constrained(server: RunningServer) -> None:
+    resp = _chat(server, response_format=JUDGE, n=4, temperature=1.0, seed=5)
+    documents = []
+    for choice in resp.json()["choices"]:
+        assert choice["finish_reason"] == "stop"
+        document = json.loads(choice["message"]["content"])
+        jsonschema.validate(document, BOUNDED)
+        documents.append(json.dumps(document, sort_keys=True))
+    assert len(set(documents)) > 1  # sampled at temperature 1: the constraint does not collapse the choices
+
+
+def test_json_object_gives_an_object(server: RunningServer) -> None:
+    resp = _chat(server, response_format={"type": "json_object"}, max_tokens=60)
+    assert resp.headers["x-millm-constrained"] == "json_object"
+    choice = resp.json()["choices"][0]
+    text = choice["message"]["content"]
+    assert text.lstrip().startswith("{")
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_a_stream_is_the_document_in_deltas(server: RunningServer) -> None:
+    whole = _chat(server, response_format=JUDGE).json()["choices"][0]["message"]["content"]
+    resp = _chat(server, response_format=JUDGE, stream=True)
+    assert resp.headers["x-millm-constrained"] == 'json_schema;name="judge_v1"'
+    chunks = [json.loads(f) for f in sse_frames(resp.content) if f != "[DONE]"]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == whole
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]] == ["stop"]
+
+
+def test_a_cut_document_says_length(server: RunningServer) -> None:
+    choice = _chat(server, response_format=JUDGE, max_tokens=3).json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    with pytest.raises(ValueError):
+        json.loads(choice["message"]["content"])
+
+
+def test_constrained_and_free_rows_share_a_batch_and_keep_their_solo_output(server: RunningServer) -> None:
+    free = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 40}
+    solo_constrained = _chat(server, response_format=JUDGE).json()["choices"][0]["message"]["content"]
+    solo_free = _chat(server, **free).json()["choices"][0]["message"]["content"]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        jobs = [pool.submit(_chat, server, **({"response_format": JUDGE} if i % 2 else free)) for i in range(6)]
+        results = [job.result() for job in jobs]
+    for i, resp in enumerate(results):
+        content = resp.json()["choices"][0]["message"]["content"]
+        assert content == (solo_constrained if i % 2 else solo_free)
+        assert resp.headers["x-millm-backend"] == "batched"
+
+
+def test_the_openai_sdk_parses_a_structured_reply(server: RunningServer) -> None:
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    completion = client.chat.completions.create(model="tiny", messages=MESSAGES, response_format=JUDGE, max_tokens=120, temperature=0)  # type: ignore[arg-type]
+    jsonschema.validate(json.loads(completion.choices[0].message.content or ""), BOUNDED)
+
+
+@pytest.mark.parametrize(
+    ("keyword", "schema", "pointer"),
+    [
+        ("multipleOf", {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}}, "/properties/n/multipleOf"),
+        ("format", {"type": "object", "properties": {"d": {"type": "string", "format": "date"}}}, "/properties/d/format"),
+        ("oneOf", {"oneOf": [{"type": "object"}, {"type": "array"}]}, "/oneOf"),
+        ("$ref", {"$ref": "https://example.com/s.json"}, "/$ref"),
+    ],
+)
+def test_unsupported_schema_keywords_are_refused_by_pointer(server: RunningServer, keyword: str, schema: dict[str, Any], pointer: str) -> None:
+    resp = _chat(server, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "response_format_unsupported"
+    assert keyword in error["message"] and pointer in error["message"]
+
+
+def test_refused_combinations_name_response_format(server: RunningServer) -> None:
+    stop = _chat(server, response_format=JUDGE, stop=["}"])
+    assert stop.status_code == 400 and stop.json()["error"]["param"] == "response_format"
+    completions = httpx.post(server.base_url + "/v1/completions", json={"model": "tiny", "prompt": "x", "response_format": {"type": "json_object"}})
+    assert completions.status_code == 400
+    assert (completions.json()["error"]["param"], completions.json()["error"]["code"]) == ("response_format", "field_not_honoured")
+    scoring = _chat(server, response_format=JUDGE, logprobs=True, max_tokens=1)
+    assert scoring.status_code == 400 and "response_format" in scoring.json()["error"]["message"]
+    # the neutral value asks for nothing and is accepted anywhere
+    assert _chat(server, response_format={"type": "text"}, max_tokens=2).status_code == 200
+
+
+def test_gguf_honours_response_format(gguf_server: RunningServer) -> None:
+    resp = _chat(gguf_server, model="tiny:F32", response_format=JUDGE)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(choice["message"]["content"]), BOUNDED)
+
+
+def test_a_pattern_too_costly_to_compile_is_refused_up_front(server: RunningServer) -> None:
+    """A pattern's automaton grows with its repeat counts and would be built between decode
+    steps, stalling every row: a count past the bound is a 400 at validation."""
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-z]{0,20000}$"}}}
+    resp = _chat(server, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["code"] == "response_format_unsupported" and "/properties/code/pattern" in error["message"]
+
+
+def test_a_document_outside_a_numeric_range_is_never_a_stop(server: RunningServer) -> None:
+    """minimum/maximum are checked when the document closes (the mask has no numeric
+    bounds): a random model writes numbers outside [5, 6], and each such reply is a 500
+    (non-streamed) or an error event in place of the final chunk (streamed), never a
+    "stop" with an invalid document."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 6}}, "required": ["n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    outcomes = []
+    for seed in range(6):
+        resp = _chat(server, response_format=fmt, temperature=1.0, seed=seed, max_tokens=40)
+        if resp.status_code == 200:
+            choice = resp.json()["choices"][0]
+            if choice["finish_reason"] == "stop":
+                jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+            outcomes.append("ok")
+        else:
+            assert (resp.status_code, resp.json()["error"]["code"]) == (500, "constrained_output_invalid")
+            outcomes.append("invalid")
+            streamed = _chat(server, response_format=fmt, temperature=1.0, seed=seed, max_tokens=40, stream=True)
+            frames = [json.loads(f) for f in sse_frames(streamed.content) if f != "[DONE]"]
+            assert frames[-1]["error"]["code"] == "constrained_output_invalid"
+            assert not any(f.get("choices") and f["choices"][0].get("finish_reason") == "stop" for f in frames)
+    assert "invalid" in outcomes  # the random model did leave the range: the check ran
