@@ -55,7 +55,6 @@ from lmformatenforcer.characterlevelparser import ForceStopParser
 from lmformatenforcer.consts import COMPLETE_ALPHABET, WHITESPACE_CHARACTERS
 from lmformatenforcer.external.jsonschemaobject import JsonSchemaObject
 from lmformatenforcer.jsonschemaparser import (
-    ListParsingState,
     NumberParsingState,
     ObjectParsingStage,
     ObjectParsingState,
@@ -362,8 +361,9 @@ class _Repaired(CharacterLevelParser):
       route it here (see :class:`_TextChars`);
     - an object took ``}`` right after a comma (``{"a": 1,}``): withheld there;
     - an ``anyOf`` of arrays lost its items (``["a", "b"]`` was refused after the comma),
-      and nested ``anyOf`` objects mixed their keys: the readings are split before ``[``
-      or ``{`` reaches them (see :meth:`_split`);
+      nested ``anyOf`` objects mixed their keys, and an ``anyOf`` of strings doubled its
+      escapes (a stray quote passed after an escaped one): the readings are split
+      before ``[``, ``{`` or a backslash reaches them (see :meth:`_split`);
     - any other character no open value accepts now raises (the enforcer then stops the
       row and :class:`JsonConstraint` reports it) instead of ending the document."""
 
@@ -376,11 +376,7 @@ class _Repaired(CharacterLevelParser):
         members = _top_members(inner)
         if any(self._string_takes(m, new_character) for m in members):
             return _Repaired(self._append(inner, members, new_character))
-        if (
-            new_character in "[{"
-            and len(members) > 1
-            and any(isinstance(m, ListParsingState | ObjectParsingState) and new_character in m.get_allowed_characters() for m in members)
-        ):
+        if new_character in "[{\\" and sum(new_character in m.get_allowed_characters() for m in members) > 1:
             return self._split(inner, members, new_character)
         following = inner.add_character(new_character)
         if isinstance(following, UnionParser):
@@ -401,12 +397,12 @@ class _Repaired(CharacterLevelParser):
 
     @staticmethod
     def _split(inner: Any, members: list[Any], character: str) -> CharacterLevelParser:
-        """``inner``'s successor after ``[`` or ``{`` when several open values could take
-        it (an ``anyOf`` of arrays or objects): one reading per value, each with its own
-        stack. The library lets every array push its first item onto the one shared stack
-        before it splits the readings, so each reading then holds every array's item
-        parser; and it does not split an ``anyOf`` nested in an ``anyOf`` at all, so the
-        objects' keys all land on one stack."""
+        """``inner``'s successor after ``[``, ``{`` or ``\\`` when several open values
+        could take it (an ``anyOf`` of arrays, objects or strings): one reading per value,
+        each with its own stack. The library lets each array push its first item, and each
+        string its escape parser, onto the one shared stack (an array's before it splits
+        the readings), so every reading then holds all of them; and it does not split an
+        ``anyOf`` nested in an ``anyOf`` at all, so the objects' keys land on one stack."""
         readings = []
         for state in members:
             if character in state.get_allowed_characters():

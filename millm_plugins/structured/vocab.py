@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import structlog
 from lmformatenforcer import TokenEnforcerTokenizerData
 from lmformatenforcer.tokenizerprefixtree import JsonFreetextTokenCache
 
@@ -27,6 +28,8 @@ CACHE_VERSION = 1  # bump when the token list's meaning changes
 FINGERPRINT_IDS = 512
 # Text whose token ids tell tokenizers apart beyond the sampled ids (merges, normalisers).
 PROBE_TEXT = 'The "quick" {brown: [1, 2.5e-3, null]} fox\n\tjumps — naïve café 東京 🙂 def f(x): return x'
+
+log = structlog.get_logger("millm.structured")
 
 RegularToken = tuple[int, str, bool]  # (id, text after a "0" token, starts a word)
 
@@ -185,6 +188,9 @@ def tokenizer_data(engine: Any, cache_dir: Path | None) -> VocabData:
     if regular is None:
         regular = build_regular_tokens(decode, encode, vocab_size, eos)
         if path is not None:
-            _write_cache(path, regular)
+            try:
+                _write_cache(path, regular)
+            except OSError as exc:  # the cache only saves time: serve without it
+                log.warning("constraint_vocab_cache_unwritable", path=str(path), error=str(exc))
     data = make_tokenizer_data(regular, decode, eos, vocab_size)
     return VocabData(data=data, built_s=time.perf_counter() - started, cached=cached, regular_tokens=regular)

@@ -282,6 +282,8 @@ OBJECT_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"t
         (NESTED_ANY_OF, '{"a": "x"}', True),  # nested anyOf objects kept their keys apart
         (NESTED_ANY_OF, '{"e": 1}', True),
         (NESTED_ANY_OF, '{"a"a', False),
+        ({"anyOf": [{"type": "string"}, {"type": "string", "maxLength": 9}]}, '" \\""', True),  # escapes in two readings
+        ({"anyOf": [{"type": "string"}, {"type": "string", "maxLength": 9}]}, '" \\"""', False),
         (
             {"type": "object", "properties": {"a": {"$ref": "#/definitions/x"}}, "definitions": {"x": {"type": "boolean"}}},
             '{"a": false}',
@@ -510,6 +512,13 @@ def test_a_damaged_cache_file_is_rebuilt(tiny: TokenizerEngine, tmp_path: Path) 
     again = tokenizer_data(tiny, tmp_path)
     assert not again.cached and again.regular_tokens == built.regular_tokens
     assert tokenizer_data(tiny, tmp_path).cached
+
+
+def test_an_unwritable_cache_directory_only_costs_time(tiny: TokenizerEngine, tmp_path: Path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    vocab = tokenizer_data(tiny, blocked / "cache")
+    assert not vocab.cached and vocab.regular_tokens
 
 
 def test_the_engine_itself_gives_the_same_vocabulary(millm_tiny_model: Any, vocab: VocabData) -> None:
