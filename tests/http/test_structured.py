@@ -20,7 +20,7 @@ import pytest
 
 from millm_core.testing import RunningServer
 
-from .helpers import sse_frames
+from .helpers import scheduler_stats, sse_frames
 
 BOUNDED = {
     "type": "object",
@@ -40,6 +40,10 @@ MESSAGES = [{"role": "user", "content": "Is this funny? A horse walks into a bar
 def _chat(server: RunningServer, **body: Any) -> httpx.Response:
     payload = {"model": "tiny", "messages": MESSAGES, "max_tokens": 120, "temperature": 0, **body}
     return httpx.post(server.base_url + "/v1/chat/completions", json=payload, timeout=120)
+
+
+def _steps(server: RunningServer) -> int:
+    return int(scheduler_stats(server.base_url)["steps"])
 
 
 def test_a_schema_constrained_reply_is_closed_and_validates(server: RunningServer) -> None:
@@ -93,9 +97,12 @@ def test_constrained_and_free_rows_share_a_batch_and_keep_their_solo_output(serv
     free = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 40}
     solo_constrained = _chat(server, response_format=JUDGE).json()["choices"][0]["message"]["content"]
     solo_free = _chat(server, **free).json()["choices"][0]["message"]["content"]
+    steps_before = _steps(server)
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         jobs = [pool.submit(_chat, server, **({"response_format": JUDGE} if i % 2 else free)) for i in range(6)]
         results = [job.result() for job in jobs]
+    tokens = sum(resp.json()["usage"]["completion_tokens"] for resp in results)
+    assert _steps(server) - steps_before < tokens  # rows shared decode steps (one step per token otherwise)
     for i, resp in enumerate(results):
         content = resp.json()["choices"][0]["message"]["content"]
         assert content == (solo_constrained if i % 2 else solo_free)
