@@ -15,7 +15,8 @@ The groups, in the order a plugin meets them:
   ``ForwardPlan``, ``RowInfo``, ``TokenProcessor``, ``Outcome``, ``ChoiceResult``,
   ``Finalization``;
 - the engine contract: ``Engine``, ``Batch``, ``Joinable``, ``Embedder``, ``Scorer``,
-  ``ResidualReader``, ``Capability``, ``Capacity``, ``ModelInfo``, ``RowSpec``,
+  ``ResidualReader``, ``Tapping``, ``Tap``, ``Readout``, ``ResidualListener``,
+  ``Capability``, ``Capacity``, ``ModelInfo``, ``RowSpec``,
   ``SamplingParams``, ``ServedModel``, ``ModelRegistry``;
 - OpenAI's request and response contracts;
 - errors (each carries its HTTP status and code; raise them, never build a response);
@@ -55,11 +56,16 @@ from .engine import (
     ModelInfo,
     ModelLocation,
     ModelSource,
+    Readout,
+    ResidualListener,
     ResidualReader,
     RowEnd,
     RowSpec,
     SamplingParams,
     Scorer,
+    Tap,
+    Tapping,
+    TapPoint,
     TokenMask,
     TokenProcessor,
 )
@@ -165,6 +171,8 @@ __all__ = [
     "Reply",
     "RequestContext",
     "RequestField",
+    "Readout",
+    "ResidualListener",
     "ResidualReader",
     "RouteDoc",
     "RowInfo",
@@ -179,6 +187,9 @@ __all__ = [
     "Stash",
     "StashKey",
     "Store",
+    "Tap",
+    "TapPoint",
+    "Tapping",
     "TokenProcessor",
     "TokenMask",
     "RowEnd",

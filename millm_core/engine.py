@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
@@ -43,6 +43,7 @@ class Capability(enum.StrEnum):
     TOOLS = "tools"  # render_chat() takes tools= and renders tool-call history
     CHAT_TEMPLATE_KWARGS = "chat_template_kwargs"
     POOLINGS = "poolings"  # embeddings pooled by last or cls token as well as by mean
+    TAPS = "taps"  # rows' residual vectors read back at requested layers (see Tap, Tapping)
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -81,15 +82,44 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         return self.temperature == 0.0
 
 
+TapPoint = Literal["pre_steering", "post_steering"]
+
+
+class Tap(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A place in the residual stream a row asks to read: the output of decoder block
+    ``layer`` (resid_post, where SAEs attach and steering adds its delta), either before
+    this row's delta at that layer is added (``pre_steering``) or after it
+    (``post_steering``). Without a delta at that layer both points read the same."""
+
+    layer: int
+    point: TapPoint = "post_steering"
+
+
 class RowSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One sequence to generate: its prompt ids, how to sample it and, optionally, its
     steering: ``deltas[layer]`` is a vector added to the output of decoder block
-    ``layer`` (the residual stream after it) at every position of this row only."""
+    ``layer`` (the residual stream after it) at every position of this row only.
+    ``taps``: where an engine with :attr:`Capability.TAPS` reads this row's residual
+    vectors back at every step (see :class:`Tapping`)."""
 
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     deltas: dict[int, tuple[float, ...]] = msgspec.field(default_factory=dict)
     max_new_tokens: int = 0  # the row's token budget (0: unknown), for engines that reserve memory
+    taps: tuple[Tap, ...] = ()
+
+
+@dataclass(frozen=True)
+class Readout:
+    """The residual vectors one step read for one row: ``vectors[tap]`` is a float32
+    numpy array ``[n, d_model]`` for the absolute positions ``start .. start + n - 1``
+    (over prompt-then-generated tokens). The prefill step reads every prompt position
+    (``start`` 0, ``n`` the prompt length); each decode step reads the one position it
+    fed (the token drawn at the step before). The last token a row draws is never fed,
+    so it is never read."""
+
+    start: int
+    vectors: Mapping[Tap, Any]
 
 
 @dataclass(frozen=True)
@@ -123,6 +153,17 @@ class TokenProcessor(Protocol):
     def on_token(self, token_id: int, text: str) -> tuple[str, bool]: ...
 
     def flush(self) -> str: ...
+
+
+@runtime_checkable
+class ResidualListener(Protocol):
+    """An optional part of the per-token stage: a processor of a row whose
+    :class:`RowSpec` has ``taps`` (a plugin adds them to ``ForwardPlan.taps``) gets, at
+    every step and before ``on_token`` of the token that step drew, the vectors the
+    engine read for that row (a :class:`Readout`). The arrays are the processor's to
+    keep. Runs on the model thread: keep it cheap (copy, reduce, encode; no I/O)."""
+
+    def on_residuals(self, readout: Readout) -> None: ...
 
 
 @runtime_checkable
@@ -227,6 +268,19 @@ class Joinable(Protocol):
 
     def join(self, batch: Batch, rows: Sequence[RowSpec]) -> None:
         """Append ``rows`` to ``batch``; their prefill runs in the next :meth:`Engine.step`."""
+
+
+@runtime_checkable
+class Tapping(Protocol):
+    """What an engine with :attr:`Capability.TAPS` offers: after each :meth:`Engine.step`
+    the residual vectors of the rows whose :class:`RowSpec` asked for ``taps``, read in
+    the same forward pass that drew the step's tokens (rows with and without taps share
+    the step; rows without taps cost nothing). A row's vectors equal what a forward hook
+    on the model would read for that row run alone."""
+
+    def readouts(self, batch: Batch) -> list[Readout | None]:
+        """One entry per row in row order, for the step just run (joined rows included):
+        the row's :class:`Readout`, or None for a row without taps."""
 
 
 @runtime_checkable

@@ -255,9 +255,15 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
 @hookspec
 def millm_finalize(ctx: RequestContext, request: Any, outcome: Outcome, out: Finalization) -> None:
     """After the request ran, on every endpoint and path: contribute response headers
-    (non-streamed responses), body extensions (top-level keys; on a stream they arrive in
-    one closing chunk with ``choices: []`` before ``[DONE]``) and usage details.
-    ``outcome.kind`` says which path ran (``generation``, ``scoring``, ``embeddings``).
+    (non-streamed responses), body extensions (top-level keys; on a stream each arrives
+    in a closing chunk with ``choices: []`` before ``[DONE]``, in the order
+    :meth:`Finalization.extend` gives) and usage details. ``outcome.kind`` says which
+    path ran (``generation``, ``scoring``, ``embeddings``).
+
+    A stream whose client left before its end still gets this call, with
+    ``outcome.cancelled`` true and the rows as far as they ran (their finish reason
+    ``cancelled``): nothing written into ``out`` is sent then, but a plugin can record
+    what happened (for example a monitor's interrupted result).
 
     Return: nothing; write into ``out``. Read what ran from ``outcome``, never echo the
     request. Write only your own plugin's headers.

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from .engine import SamplingParams, TokenProcessor
+from .engine import SamplingParams, Tap, TokenProcessor
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class RowInfo:
     index: int
     prompt_index: int
     prompt_tokens: int
+    prompt_ids: tuple[int, ...] = ()
 
 
 ProcessorFactory = Callable[[RowInfo], TokenProcessor]
@@ -64,6 +65,11 @@ class ForwardPlan:
     processor_factories: list[ProcessorFactory] = field(default_factory=list)
     # layer -> vector added to that block's output for this request's rows (steering).
     deltas: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    # The token count of each of the request's prompts (known before pre-forward).
+    prompt_lengths: tuple[int, ...] = ()
+    # Where this request's rows are read back (engines with Capability.TAPS): a plugin
+    # adds a Tap and reads the vectors in its processors' ``on_residuals``.
+    taps: set[Tap] = field(default_factory=set)
 
     def add_processor(self, factory: ProcessorFactory) -> None:
         """Register a per-row processor factory; processors run in registration order."""
@@ -124,9 +130,30 @@ class Outcome:
     kind: Literal["generation", "scoring", "embeddings"] | str = "generation"
 
 
+DEFAULT_CLOSING_ORDER = 50
+
+
 @dataclass
 class Finalization:
-    """What finalize hooks contribute to the response."""
+    """What finalize hooks contribute to the response: headers, and body extensions
+    (``extensions[key] = value``: a top-level key beside ``choices`` in a JSON body; on a
+    stream, one closing chunk ``{..., "choices": [], key: value}`` after the last choice's
+    final chunk and before ``[DONE]``).
+
+    Closing chunks go out in ascending ``order[key]`` (default
+    :data:`DEFAULT_CLOSING_ORDER`), then by key; set an order with :meth:`extend`. The
+    built-in plugins use: probe verdicts 10, SAE activations (``millm``) 20, steering 90
+    (always last, so the steering report closes every stream)."""
 
     headers: dict[str, str] = field(default_factory=dict)
     extensions: dict[str, Any] = field(default_factory=dict)
+    order: dict[str, int] = field(default_factory=dict)
+
+    def extend(self, key: str, value: Any, *, order: int = DEFAULT_CLOSING_ORDER) -> None:
+        """Add body extension ``key`` whose closing chunk goes out at ``order``."""
+        self.extensions[key] = value
+        self.order[key] = order
+
+    def closing(self) -> list[tuple[str, Any]]:
+        """The extensions in the order their closing chunks are sent."""
+        return sorted(self.extensions.items(), key=lambda item: (self.order.get(item[0], DEFAULT_CLOSING_ORDER), item[0]))

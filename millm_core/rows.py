@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .detokenize import Decode, Detokenizer
-from .engine import RowEnd, TokenProcessor
+from .engine import Readout, RowEnd, TokenProcessor
 
 
 @dataclass(slots=True)
@@ -31,7 +31,7 @@ class RowEvent:
 class RowDriver:
     """Drives one row: ``bias()`` before each step, ``accept(token)`` after it."""
 
-    __slots__ = ("row", "_detok", "_processors", "_masks", "_eos", "_budget", "generated", "finish_reason", "constrained")
+    __slots__ = ("row", "_detok", "_processors", "_masks", "_listeners", "_eos", "_budget", "generated", "finish_reason", "constrained")
 
     def __init__(
         self,
@@ -49,6 +49,8 @@ class RowDriver:
         # ``allowed_tokens`` method of the per-token stage).
         self._masks = tuple(p for p in self._processors if callable(getattr(p, "allowed_tokens", None)))
         self.constrained = bool(self._masks)
+        # Processors that read the row's residual vectors (``on_residuals``).
+        self._listeners = tuple(p for p in self._processors if callable(getattr(p, "on_residuals", None)))
         self._eos = eos_token_ids
         self._budget = max_new_tokens
         self.generated = 0
@@ -79,6 +81,12 @@ class RowDriver:
             ids = np.asarray(part, dtype=np.int64)
             merged = ids if merged is None else np.intersect1d(merged, ids, assume_unique=False)
         return merged
+
+    def read(self, readout: Readout) -> None:
+        """Hand the residual vectors the engine read for this row at this step to the
+        processors that listen (before ``accept`` of the step's token)."""
+        for proc in self._listeners:
+            proc.on_residuals(readout)  # type: ignore[attr-defined]
 
     def accept(self, token_id: int) -> RowEvent:
         """Take the token sampled for this row and say what to emit."""

@@ -38,7 +38,7 @@ from typing import Any, TypeVar, cast
 import msgspec
 import structlog
 
-from .engine import Capability, Joinable
+from .engine import Capability, Joinable, Tapping
 from .errors import FieldNotHonoured, MillmError, QueueFull, ServiceUnavailable
 from .jobs import (
     Call,
@@ -330,6 +330,7 @@ class Scheduler:
         try:
             batch = engine.open_batch(first.rows)
             joinable = engine if isinstance(engine, Joinable) else None
+            tapping = engine if isinstance(engine, Tapping) else None
             while run.slots:
                 if self._stopping:
                     run.fail_all(ServiceUnavailable("The server is shutting down; this request was stopped.", code="shutting_down"))
@@ -352,6 +353,8 @@ class Scheduler:
                 except RowsFailed as partial:
                     tokens = partial.tokens
                     run.fail_rows(partial.errors)
+                if tapping is not None and run.tapped():
+                    run.read(tapping.readouts(batch))
                 if self._observe_step is not None:
                     self._observe_step(time.perf_counter() - started)
                 keep = run.accept(tokens)
@@ -447,6 +450,21 @@ class _Run:
                 if len(out) <= pos:
                     out.append(None)
         return out, allowed
+
+    def tapped(self) -> bool:
+        """Whether some row in the batch asked for taps (its vectors are read back)."""
+        return any(job.rows and job.rows[0].taps for job in self.jobs)
+
+    def read(self, readouts: list[Any]) -> None:
+        """Hand each tapped row the vectors this step read for it. A listener that raises
+        fails its own job (its rows are dropped after this step)."""
+        for (job, i), readout in zip(self.slots, readouts, strict=True):
+            if readout is None or job in self.failing:
+                continue
+            try:
+                job.drivers[i].read(readout)
+            except Exception as exc:  # noqa: BLE001 - this row's request fails, not the batch
+                self._row_failed(job, i, exc)
 
     def _row_failed(self, job: Job, row: int, exc: BaseException) -> None:
         if job not in self.failing:

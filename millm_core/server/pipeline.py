@@ -21,7 +21,7 @@ from ..builtin import STRUCTURAL_FIELDS
 from ..context import RequestContext
 from ..contracts.chat import ChatCompletionRequest
 from ..contracts.completions import CompletionRequest
-from ..engine import Capacity, MemoryAware, RowSpec, SamplingParams
+from ..engine import Capability, Capacity, MemoryAware, RowSpec, SamplingParams
 from ..errors import CapacityExceeded, FieldNotHonoured, InvalidRequest, MillmError, OutOfMemory
 from ..ledger import Claim, MemoryLedger
 from ..pipeline_types import (
@@ -201,12 +201,17 @@ def prepare_generation(
     if isinstance(request, CompletionRequest):
         refuse_empty(request, prompts)
     max_new = token_budget(request, prompts, model, state.settings.default_max_tokens)
-    plan = ForwardPlan(sampling=SamplingParams(seed=fresh_seed()), max_new_tokens=max_new)
+    plan = ForwardPlan(sampling=SamplingParams(seed=fresh_seed()), max_new_tokens=max_new, prompt_lengths=tuple(len(p) for p in prompts))
     n = _int(request.n) if _sent(request.n) else 1
     budget_param = next((name for name in ("max_tokens", "max_completion_tokens") if _sent(getattr(request, name))), "max_tokens")
     claim = check_capacity(model, prompts, n, max_new, budget_param, state.memory)
     try:
         state.host.pre_forward(ctx, request, plan)
+        if plan.taps and Capability.TAPS not in model.engine.capabilities:
+            raise FieldNotHonoured(
+                f"a plugin asked to read this request's residual stream, but the {model.info.engine} engine "
+                "cannot (it lacks the taps capability)"
+            )
     except BaseException:
         if claim is not None:
             claim.release()
@@ -227,16 +232,21 @@ def submit(state: AppState, prepared: Prepared) -> RunHandle:
     engine = prepared.model.engine
     rows: list[RowSpec] = []
     drivers: list[RowDriver] = []
+    taps = tuple(sorted(prepared.plan.taps, key=lambda tap: (tap.layer, tap.point)))
     for p_index, ids in enumerate(prepared.prompts):
         for j in range(prepared.n):
             index = p_index * prepared.n + j
             sampling = msgspec.structs.replace(prepared.plan.sampling, stream=index)
             rows.append(
                 RowSpec(
-                    prompt_ids=tuple(ids), sampling=sampling, deltas=dict(prepared.plan.deltas), max_new_tokens=prepared.plan.max_new_tokens
+                    prompt_ids=tuple(ids),
+                    sampling=sampling,
+                    deltas=dict(prepared.plan.deltas),
+                    max_new_tokens=prepared.plan.max_new_tokens,
+                    taps=taps,
                 )
             )
-            info = RowInfo(index=index, prompt_index=p_index, prompt_tokens=len(ids))
+            info = RowInfo(index=index, prompt_index=p_index, prompt_tokens=len(ids), prompt_ids=tuple(ids))
             drivers.append(
                 RowDriver(
                     index,

@@ -135,6 +135,7 @@ def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
         reasons: list[str | None] = [None] * handle.rows
         fields: list[dict[str, Any] | None] = [None] * handle.rows
         open_rows = handle.rows
+        finalized = False  # a stream that ends before finalize still tells the plugins
         clock = TokenClock(state.metrics, prepared.ctx.started)
         try:
             for row in range(handle.rows):
@@ -166,8 +167,9 @@ def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
                         yield sse_frame(shapes.chunk(response_id, created, info.served_name, ev.row, ev.text, None, False, None))
             result = outcome(prepared, texts, reasons, counts, fields=fields)
             count_tokens(state, prepared.ctx, result)
+            finalized = True
             final = finalize(state, prepared, result)
-            for key, value in final.extensions.items():
+            for key, value in final.closing():
                 yield encode_extension(response_id, created, info.served_name, shapes, key, value)
         except MillmError as exc:
             log.warning("stream_failed", code=exc.code)
@@ -178,11 +180,29 @@ def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
         finally:
             # Runs on completion and on client disconnect (generator closed/cancelled).
             handle.job.cancel()
+            if not finalized:
+                _finalize_interrupted(state, prepared, texts, reasons, counts, fields)
         yield SSE_DONE
 
     headers = _headers(state, prepared)
     headers["Cache-Control"] = "no-cache"
     return JobStream(body(), handle, prepared, media_type="text/event-stream", headers=headers)
+
+
+def _finalize_interrupted(
+    state: AppState,
+    prepared: Prepared,
+    texts: list[str],
+    reasons: list[str | None],
+    counts: list[int],
+    fields: list[dict[str, Any] | None],
+) -> None:
+    """Finalize hooks for a stream that ended early (the client left, or an error ended
+    it): ``outcome.cancelled`` is true and nothing they write is sent."""
+    try:
+        finalize(state, prepared, outcome(prepared, texts, reasons, counts, cancelled=True, fields=fields))
+    except Exception:  # noqa: BLE001 - the stream is gone; a plugin's failure here is only logged
+        log.exception("finalize_interrupted_failed")
 
 
 class JobStream(StreamingResponse):

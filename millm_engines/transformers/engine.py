@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from millm_core.api import ModelInfo, NonFiniteLogits, OutOfMemory, RowsFailed, RowSpec, SamplingParams
+from millm_core.api import ModelInfo, NonFiniteLogits, OutOfMemory, Readout, RowsFailed, RowSpec, SamplingParams, Tap
 
 from .chat import render_chat_ids
 from .fastpath import KVCache, LlamaDecoder
@@ -23,17 +23,9 @@ from .fp32 import Float32Copies
 from .memory import available_bytes, shortfall
 from .plugin import CAPABILITIES  # declared once, before any load
 from .sampler import apply_biases, apply_masks, sample
+from .taps import Captured, TapSet, block_hook, readouts
 
 EMBED_BATCH = 16
-
-
-def _adder(delta: torch.Tensor) -> Any:
-    def hook(module: Any, args: Any, output: Any) -> Any:
-        if isinstance(output, tuple):
-            return (output[0] + delta[:, None, :], *output[1:])
-        return output + delta[:, None, :]
-
-    return hook
 
 
 SCORE_BATCH = 64
@@ -63,6 +55,10 @@ class HFBatch:
     # their logits (``prefilled``) join the batch's at the next step.
     joining: list[HFBatch] = field(default_factory=list)
     prefilled: torch.Tensor | None = None
+    # Per-row taps (row order), the rows reading each tap, and what the last forward read.
+    row_taps: list[tuple[Tap, ...]] = field(default_factory=list)
+    taps: TapSet | None = None
+    reads: list[Readout | None] | None = None
 
     @property
     def size(self) -> int:
@@ -143,7 +139,8 @@ class TransformersEngine:
         return self._new_batch(rows)
 
     def _new_batch(self, rows: Sequence[RowSpec]) -> HFBatch:
-        batch = HFBatch(prompts=[r.prompt_ids for r in rows], params=[r.sampling for r in rows])
+        batch = HFBatch(prompts=[r.prompt_ids for r in rows], params=[r.sampling for r in rows], row_taps=[r.taps for r in rows])
+        batch.taps = TapSet.build(batch.row_taps, self.device, self.info.n_layers)
         layers = sorted({layer for r in rows for layer in r.deltas})
         if layers:
             dtype = next(self.model.parameters()).dtype
@@ -159,14 +156,20 @@ class TransformersEngine:
         return batch
 
     @contextlib.contextmanager
-    def _steering_hooks(self, deltas: dict[int, torch.Tensor] | None) -> Iterator[None]:
-        """Forward hooks adding each row's delta to the hooked blocks' outputs, for the
-        duration of one HF forward. Nothing outlives the call."""
-        if not deltas:
+    def _block_hooks(self, batch: HFBatch, captured: Captured) -> Iterator[None]:
+        """Forward hooks adding each row's delta to the hooked blocks' outputs and reading
+        the tapped rows into ``captured``, for the duration of one HF forward. Nothing
+        outlives the call."""
+        deltas = batch.deltas or {}
+        reads = batch.taps.by_layer if batch.taps is not None else {}
+        if not deltas and not reads:
             yield
             return
         layers = self.model.model.layers
-        handles = [layers[layer].register_forward_hook(_adder(delta)) for layer, delta in deltas.items()]
+        handles = [
+            layers[layer].register_forward_hook(block_hook(layer, deltas.get(layer), reads, captured))
+            for layer in sorted(set(deltas) | set(reads))
+        ]
         try:
             yield
         finally:
@@ -187,11 +190,14 @@ class TransformersEngine:
         else:
             logits = self._decode(batch)
         joining, batch.joining = batch.joining, []
+        reads: list[Readout | None] = batch.reads if batch.reads is not None else [None] * batch.size
         for sub in joining:  # each joined request's prompts, prefilled on their own at join
             assert sub.prefilled is not None
             logits = torch.cat([logits, sub.prefilled])
             sub.prefilled = None
+            reads = reads + (sub.reads if sub.reads is not None else [None] * sub.size)
             self._merge(batch, sub)
+        batch.reads = reads
         logits = logits.float()
         broken = _non_finite_rows(logits)
         if broken:  # those rows fail alone; the others are sampled as usual
@@ -212,6 +218,10 @@ class TransformersEngine:
 
     # ------------------------------------------------------------------ joining
 
+    def readouts(self, batch: HFBatch) -> list[Readout | None]:
+        """The tapped rows' vectors from the step just run (joined rows' prompts included)."""
+        return batch.reads if batch.reads is not None else [None] * batch.size
+
     @property
     def batches_requests(self) -> bool:
         """Whether concurrent requests share decode steps: only on the lean decode step."""
@@ -222,6 +232,7 @@ class TransformersEngine:
         ``max_rows`` rows in all."""
         return self.fast is not None and self._rows + len(rows) <= self.max_rows
 
+    @torch.inference_mode()
     def join(self, batch: HFBatch, rows: Sequence[RowSpec]) -> None:
         """Prefill the joining rows now, on their own: if that fails (a bad row, no memory)
         only the joining request fails and the running batch is untouched. Their logits
@@ -254,6 +265,9 @@ class TransformersEngine:
         batch.draw_pos = batch.draw_pos + sub.draw_pos
         batch.prompts += sub.prompts
         batch.params += sub.params
+        batch.row_taps += sub.row_taps
+        if batch.taps is not None or sub.taps is not None:
+            batch.taps = TapSet.build(batch.row_taps, self.device, self.info.n_layers)
         if batch.deltas or sub.deltas:
             layers = set(batch.deltas or {}) | set(sub.deltas or {})
             dtype = next(self.model.parameters()).dtype
@@ -277,7 +291,8 @@ class TransformersEngine:
         positions = (mask.cumsum(-1) - 1).clamp_(min=0)
         padded = min(lengths) != width
         batch.cache = DynamicCache(config=self.model.config)
-        with self._steering_hooks(batch.deltas):
+        captured: Captured = {}
+        with self._block_hooks(batch, captured):
             out = self.model(
                 input_ids=ids,
                 attention_mask=mask if padded else None,
@@ -292,6 +307,7 @@ class TransformersEngine:
             batch.kv = KVCache.from_hf(batch.cache)
             batch.cache = None
         batch.draw_pos = lengths
+        batch.reads = readouts(batch.taps, captured, [0] * len(lengths), lengths) if batch.taps is not None else None
         return out.logits[:, -1, :]
 
     def _decode(self, batch: HFBatch) -> torch.Tensor:
@@ -299,12 +315,15 @@ class TransformersEngine:
         if batch.mask is not None:
             ones = torch.ones((batch.mask.shape[0], 1), dtype=batch.mask.dtype, device=self.device)
             batch.mask = torch.cat([batch.mask, ones], dim=1)
+        captured: Captured = {}
         if self.fast is not None and batch.kv is not None:
             mask = batch.mask.bool() if batch.mask is not None else None
-            logits = self.fast.step(batch.last_tokens, batch.next_pos, batch.kv, mask, batch.deltas)
+            reads = batch.taps.by_layer if batch.taps is not None else None
+            logits = self.fast.step(batch.last_tokens, batch.next_pos, batch.kv, mask, batch.deltas, reads, captured)
             batch.next_pos = batch.next_pos + 1
+            self._decode_reads(batch, captured)
             return logits
-        with self._steering_hooks(batch.deltas):
+        with self._block_hooks(batch, captured):
             out = self.model(
                 input_ids=batch.last_tokens[:, None],
                 attention_mask=batch.mask,
@@ -314,7 +333,17 @@ class TransformersEngine:
                 logits_to_keep=1,
             )
         batch.next_pos = batch.next_pos + 1
+        self._decode_reads(batch, captured)
         return out.logits[:, -1, :]
+
+    @staticmethod
+    def _decode_reads(batch: HFBatch, captured: Captured) -> None:
+        """A decode step read the position of the token it fed: one before the draw."""
+        if batch.taps is None:
+            batch.reads = None
+            return
+        assert batch.draw_pos is not None
+        batch.reads = readouts(batch.taps, captured, [p - 1 for p in batch.draw_pos], None)
 
     def retain(self, batch: HFBatch, keep: Sequence[int]) -> None:
         self._rows = len(keep) + sum(sub.size for sub in batch.joining)
@@ -323,6 +352,10 @@ class TransformersEngine:
         batch.params = [batch.params[i] for i in keep]
         assert batch.draw_pos is not None
         batch.draw_pos = [batch.draw_pos[i] for i in keep]
+        batch.row_taps = [batch.row_taps[i] for i in keep]
+        if batch.taps is not None:
+            batch.taps = TapSet.build(batch.row_taps, self.device, self.info.n_layers)
+        batch.reads = None
         if batch.cache is not None:
             batch.cache.batch_select_indices(index)
         if batch.kv is not None:

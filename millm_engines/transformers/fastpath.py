@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .taps import Captured, LayerReads, capture
+
 SUPPORTED_MODEL_TYPES = ("llama",)
 _GROW = 256
 
@@ -183,11 +185,14 @@ class LlamaDecoder:
         cache: KVCache,
         mask: torch.Tensor | None,
         deltas: dict[int, torch.Tensor] | None = None,
+        reads: LayerReads | None = None,
+        captured: Captured | None = None,
     ) -> torch.Tensor:
         """Logits ``[rows, vocab]`` for one new token per row. ``positions`` are the
         tokens' rotary positions; ``mask`` (bool ``[rows, length + 1]``, True = attend) is
         needed only when rows are padded; ``deltas[layer]`` (``[rows, d_model]``) is added
-        to that block's output, as the steering hooks do on the HF forward."""
+        to that block's output, as the steering hooks do on the HF forward; ``reads``
+        names the rows whose block outputs go into ``captured`` (see :mod:`.taps`)."""
         rows = tokens.shape[0]
         hidden = F.embedding(tokens, self.embed)[:, None, :]
         cos, sin = self.rotary(hidden, positions[:, None])
@@ -215,7 +220,10 @@ class LlamaDecoder:
             x = _rms(hidden, layer.w_post, self.eps)
             gate_up = F.linear(x, layer.w_gate_up)
             hidden = hidden + F.linear(F.silu(gate_up[..., : self.inter]) * gate_up[..., self.inter :], layer.w_down)
-            if deltas is not None and i in deltas:
+            if reads is not None and i in reads:
+                assert captured is not None
+                hidden = capture(i, reads, hidden, deltas.get(i) if deltas else None, captured)
+            elif deltas is not None and i in deltas:
                 hidden = hidden + deltas[i][:, None, :]
         cache.length = t + 1
         return F.linear(_rms(hidden[:, 0], self.norm, self.eps), self.lm_head)

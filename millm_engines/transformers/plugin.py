@@ -25,6 +25,7 @@ CAPABILITIES = frozenset(
         Capability.POOLINGS,
         Capability.STRUCTURED_OUTPUT,
         Capability.TOOLS,
+        Capability.TAPS,
     }
 )
 

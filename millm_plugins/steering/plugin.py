@@ -153,6 +153,6 @@ def millm_finalize(ctx: RequestContext, request: Any, outcome: Outcome, out: Fin
     for kind in sorted(kinds):
         ctx.app.stash[USAGE].labels(kind).inc()
     if ctx.stream:
-        out.extensions[STREAM_KEY] = value
+        out.extend(STREAM_KEY, value, order=90)  # the steering report closes every stream
     else:
         out.headers[HEADER] = value

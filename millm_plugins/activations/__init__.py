@@ -1,0 +1,1 @@
+"""Per-request SAE activations: ``return_sae_activations`` on chat and text completions."""

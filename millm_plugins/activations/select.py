@@ -1,0 +1,102 @@
+"""Which SAE a ``return_sae_activations`` request reads, and the checks made before
+anything runs: the row count, the SAE, the features, ``top_k`` and the worst-case size."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from millm_core.api import InvalidRequest, Problem
+from millm_plugins.steering.inline import InvalidFeatureIndex, SAENotAttached
+from millm_plugins.steering.sae import SAE
+
+from .fields import PositionRange, ReturnSAEActivations
+
+PARAM = "return_sae_activations"
+
+
+class TooManyEntries(InvalidRequest):
+    code = "sae_activations_too_large"
+
+
+@dataclass(frozen=True)
+class Selected:
+    """The attached SAE a request reads, where it is attached, and its candidates
+    (None: every feature)."""
+
+    sae_id: str
+    layer: int
+    sae: SAE
+    features: tuple[int, ...] | None
+
+
+def shape_problems(ctx: Any, request: Any, asked: ReturnSAEActivations, max_top_k: int) -> list[Problem]:
+    """Checks that need no SAE: one row, a sane range, ``top_k`` under the limit."""
+    problems: list[Problem] = []
+    n = getattr(request, "n", None)
+    if isinstance(n, int) and n > 1:
+        problems.append(Problem("return_sae_activations reads one row; send n: 1 (there is no single position axis)", param="n"))
+    if ctx.endpoint == "completions" and len(request.prompts()) > 1:
+        problems.append(Problem("return_sae_activations reads one row; send one prompt (there is no single position axis)", param="prompt"))
+    if asked.top_k > max_top_k:
+        problems.append(Problem(f"top_k {asked.top_k} is over this server's limit of {max_top_k}", param=f"{PARAM}.top_k"))
+    if isinstance(asked.positions, PositionRange) and asked.positions.end <= asked.positions.start:
+        problems.append(Problem("positions.end must be greater than positions.start (the range is half-open)", param=f"{PARAM}.positions"))
+    if asked.features is not None:
+        seen: set[int] = set()
+        for i, index in enumerate(asked.features):
+            if index in seen:
+                problems.append(Problem(f"feature {index} is listed twice", param=f"{PARAM}.features[{i}]"))
+            seen.add(index)
+    return problems
+
+
+def select(asked: ReturnSAEActivations, attachments: Iterable[tuple[str, int]], saes: Mapping[str, SAE], unusable: Iterable[Any]) -> Selected:
+    """The (SAE, layer) ``asked`` reads, or the request's 400."""
+    attached = list(attachments)
+    if not attached:
+        raise SAENotAttached("return_sae_activations needs an attached SAE; none is attached (POST /api/saes/{id}/attach)", param=PARAM)
+    candidates = [(s, layer) for s, layer in attached if asked.sae_id in (None, s)]
+    if not candidates:
+        raise SAENotAttached(f"SAE {asked.sae_id!r} is not attached", param=f"{PARAM}.sae_id")
+    if len(candidates) > 1:
+        listed = ", ".join(f"({s}, layer {layer})" for s, layer in candidates)
+        raise InvalidRequest(f"several attachments match: {listed}; name one with return_sae_activations.sae_id", param=f"{PARAM}.sae_id")
+    sae_id, layer = candidates[0]
+    if (sae_id, layer) in set(unusable) or sae_id not in saes:
+        raise SAENotAttached(f"SAE {sae_id!r} at layer {layer} is attached but unusable (see GET /api/saes)", param=f"{PARAM}.sae_id")
+    sae = saes[sae_id]
+    if asked.features is not None:
+        for i, index in enumerate(asked.features):
+            if index >= sae.d_sae:
+                raise InvalidFeatureIndex(f"feature {index} is past SAE {sae_id!r}'s width {sae.d_sae}", param=f"{PARAM}.features[{i}]")
+    return Selected(sae_id, layer, sae, tuple(asked.features) if asked.features is not None else None)
+
+
+def worst_case_positions(asked: ReturnSAEActivations, prompt_tokens: int, max_new_tokens: int) -> int:
+    """The most positions the request could list: ``max_tokens`` counted in full."""
+    positions = asked.positions
+    if positions == "last":
+        return 1
+    if positions == "prompt":
+        return prompt_tokens
+    if positions == "completion":
+        return max_new_tokens
+    if positions == "all":
+        return prompt_tokens + max_new_tokens
+    assert isinstance(positions, PositionRange)
+    return max(0, min(positions.end, prompt_tokens + max_new_tokens) - positions.start)
+
+
+def check_size(asked: ReturnSAEActivations, selected: Selected, prompt_tokens: int, max_new_tokens: int, max_entries: int) -> None:
+    """Refuse a request whose worst case (positions × top_k) is over ``max_entries``."""
+    width = len(selected.features) if selected.features is not None else selected.sae.d_sae
+    per_position = min(asked.top_k, width)
+    positions = worst_case_positions(asked, prompt_tokens, max_new_tokens)
+    if positions * per_position > max_entries:
+        raise TooManyEntries(
+            f"return_sae_activations could list {positions} positions × {per_position} features = {positions * per_position} "
+            f"entries, over this server's limit of {max_entries}; ask for fewer positions, a smaller top_k or fewer max_tokens",
+            param=PARAM,
+        )
