@@ -37,9 +37,11 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+import msgspec
+import numpy as np
 import pytest
 
-from .engine import Capability, Embedder, Engine, EngineFactory, Joinable, ResidualReader, RowSpec, SamplingParams, Scorer
+from .engine import Capability, Embedder, Engine, EngineFactory, Joinable, ResidualReader, RowSpec, SamplingParams, Scorer, Tap, Tapping
 
 __all__ = ["GREEDY", "PROTOCOLS", "EngineConformance", "drive", "registered_factory"]
 
@@ -50,6 +52,7 @@ PROTOCOLS: Mapping[Capability, type] = {
     Capability.EMBEDDINGS: Embedder,
     Capability.SCORING: Scorer,
     Capability.STEERING: ResidualReader,
+    Capability.TAPS: Tapping,
 }
 
 
@@ -274,6 +277,51 @@ class EngineConformance:
             pytest.skip("no conformance_factory fixture")
         assert isinstance(factory, EngineFactory)
         assert factory.capabilities == conformance_engine.capabilities
+
+    # ------------------------------------------------------------------ taps
+
+    def _tapped(self, engine: Engine, rows: list[RowSpec], steps: int) -> list[list[Any]]:
+        """Each row's readouts over ``steps`` steps (rows never retired)."""
+        assert isinstance(engine, Tapping)
+        batch = engine.open_batch(rows)
+        reads: list[list[Any]] = [[] for _ in rows]
+        try:
+            for _ in range(steps):
+                engine.step(batch, [None] * len(rows))
+                for i, readout in enumerate(engine.readouts(batch)):
+                    if readout is not None:
+                        reads[i].append(readout)
+        finally:
+            engine.close(batch)
+        return reads
+
+    def test_taps_read_each_row_as_alone(self, conformance_engine: Engine) -> None:
+        """An engine with ``taps``: tapped rows beside an untapped one read, step by step,
+        their prompt then one position per step, ``[n, d_model]`` float32, equal to each
+        row tapped alone (to 1e-5 of the vectors' scale); the untapped row reads nothing;
+        the prompt's vectors equal :meth:`ResidualReader.residuals` when the engine has it."""
+        engine = conformance_engine
+        if Capability.TAPS not in engine.capabilities:
+            return  # reads no taps; test_capabilities_have_their_protocols checks the claim
+        tap = Tap(0, "post_steering")
+        prompts = self._prompts(engine)
+        rows = [msgspec.structs.replace(self._row(p), taps=(tap,) if i < 2 else ()) for i, p in enumerate(prompts)]
+        steps = 4
+        together = self._tapped(engine, rows, steps)
+        assert together[2] == [], "a row without taps read something"
+        for i in range(2):
+            alone = self._tapped(engine, [rows[i]], steps)[0]
+            assert [r.start for r in together[i]] == [0, *range(len(prompts[i]), len(prompts[i]) + steps - 1)]
+            assert [r.start for r in alone] == [r.start for r in together[i]]
+            for got, want in zip(together[i], alone, strict=True):
+                vectors, reference = np.asarray(got.vectors[tap]), np.asarray(want.vectors[tap])
+                assert vectors.dtype == np.float32 and vectors.shape[1] == engine.info.d_model
+                scale = float(np.abs(reference).max())
+                assert float(np.abs(vectors - reference).max()) <= 1e-5 * scale, "a tapped row reads differently in a batch"
+            if isinstance(engine, ResidualReader):
+                [prompt_vectors] = engine.residuals([prompts[i]], 0)
+                scale = float(np.abs(prompt_vectors).max())
+                assert float(np.abs(np.asarray(together[i][0].vectors[tap]) - prompt_vectors).max()) <= 1e-5 * scale
 
     # ------------------------------------------------------------------ embeddings
 

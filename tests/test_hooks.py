@@ -88,3 +88,52 @@ def test_register_routes_and_resolve(make_server) -> None:  # type: ignore[no-un
             assert exc.body["code"] == "model_not_found"
         else:  # pragma: no cover
             raise AssertionError("expected 404")
+
+
+class ClosingPlugin:
+    """Closing chunks at chosen orders, and a record of every finalize call."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[bool, tuple[str, ...]]] = []
+
+    @hookimpl
+    def millm_finalize(self, ctx: Any, request: Any, outcome: Any, out: Any) -> None:
+        if outcome.kind != "generation":
+            return
+        self.seen.append((outcome.cancelled, tuple(c.finish_reason for c in outcome.choices)))
+        out.extend("z_first", 1, order=5)
+        out.extend("a_late", 2, order=95)
+        out.extensions["b_default"] = 3  # no order: the default, 50
+
+
+def test_closing_chunks_follow_their_order_and_an_interrupted_stream_is_finalized(make_server) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import time
+
+    from .http.helpers import GatePlugin
+
+    plugin = ClosingPlugin()
+    host = build_host(load_settings(environ={}))
+    host.register(plugin, "closing")
+    slow = GatePlugin(delay=0.02)  # 20 ms a token: the long stream is still running when the client leaves
+    slow.gate.set()
+    host.register(slow, "slow")
+    with make_server(host=host) as srv:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", srv.base_url + "/v1/chat/completions", json=body, timeout=60) as resp:
+            chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+        closing = [next(k for k in c if k not in ("id", "object", "created", "model", "choices", "system_fingerprint", "usage")) for c in chunks if c["choices"] == []]
+        assert closing == ["z_first", "b_default", "millm_steering", "a_late"]
+        assert plugin.seen[-1][0] is False
+        long = {**body, "max_tokens": 400, "temperature": 0}
+        with httpx.stream("POST", srv.base_url + "/v1/chat/completions", json=long, timeout=60) as resp:
+            assert resp.status_code == 200, resp.read()
+            for line in resp.iter_lines():
+                if '"content":"' in line.replace(" ", "") and '"content":""' not in line.replace(" ", ""):
+                    break  # the client leaves mid-stream, after some text
+        deadline = time.monotonic() + 30
+        while len(plugin.seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cancelled, reasons = plugin.seen[-1]
+        assert cancelled is True and reasons == ("cancelled",), plugin.seen
+

@@ -153,21 +153,21 @@ class ProbeFieldPlugin:
 
     @hookimpl
     def millm_register_request_fields(self, register: Any) -> None:
-        register(RequestField("probe_depth", int, ("chat.completions",), owner="probes", requires="probes"))
+        register(RequestField("probe_depth", int, ("chat.completions",), owner="depth-probes", requires="depth_probes"))
 
 
 def test_a_plugin_may_require_and_an_engine_may_offer_a_capability_of_its_own(make_server, tiny_model) -> None:  # type: ignore[no-untyped-def]
     host = build_host(load_settings(environ={}))
-    host.register(ProbeFieldPlugin(), "probes")
+    host.register(ProbeFieldPlugin(), "depth-probes")
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "probe_depth": 2}
     with make_server(host=host, models=[tiny_model]) as srv:
         refused = httpx.post(srv.base_url + "/v1/chat/completions", json=body)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "probe_depth"
-        assert "lacks the capability probes" in refused.json()["error"]["message"]
+        assert "lacks the capability depth_probes" in refused.json()["error"]["message"]
         cell = next(c for c in httpx.get(srv.base_url + "/api/policy").json()["data"] if c["field"] == "probe_depth" and c["engine"] == "transformers")
-        assert cell["status"] == "refused" and "probes" in cell["reason"]
+        assert cell["status"] == "refused" and "depth_probes" in cell["reason"]
     engine = tiny_model.engine
-    engine.capabilities = engine.capabilities | {"probes"}  # an engine that offers it
+    engine.capabilities = engine.capabilities | {"depth_probes"}  # an engine that offers it
     try:
         with make_server(host=host, models=[tiny_model]) as srv:
             assert httpx.post(srv.base_url + "/v1/chat/completions", json=body).status_code == 200

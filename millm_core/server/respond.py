@@ -221,6 +221,12 @@ class JobStream(StreamingResponse):
         finally:
             self._handle.job.cancel()  # a no-op for a job that already ended
             self._prepared.release()
+            # A client that left while the body waited at a ``yield`` leaves the generator
+            # suspended there: close it now, so its own ``finally`` (the interrupted
+            # stream's finalize) runs at once rather than whenever it is collected.
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
 
 
 def encode_extension(response_id: str, created: int, model: str, shapes: Shapes, key: str, value: Any) -> bytes:

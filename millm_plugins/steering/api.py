@@ -35,7 +35,8 @@ from millm_core.api import (
     until_disconnect,
 )
 
-from .apply import Dials, plan_for, report
+from .apply import Dials, Plan, plan_for, report
+from .contrib import Contributor, contributors
 from .inline import Feature
 from .live import Live
 from .profiles import check_features
@@ -348,14 +349,22 @@ class _NoFields:
     steering = profile = steering_intensity = None
 
 
-def live_state(dials: Dials, live: Live) -> LiveState:
-    """The live state ``live`` as reported."""
+def plain_plan(app: AppContext) -> Plan:
+    """What a request with no steering fields runs with now (the contributors' global
+    steering included), from the current snapshot; ``report(plan, changed=False)`` is the
+    ``X-miLLM-Steering`` value it would carry."""
+    return plan_for(_NoFields(), state_of(app).live, dials_of(app), contributors(app))
+
+
+def live_state(dials: Dials, live: Live, joined: list[Contributor] | None = None) -> LiveState:
+    """The live state ``live`` as reported (``joined``: the app's contributors, whose
+    global steering a plain request also runs with)."""
     manual = [
         ManualEntry(sae_id=s, layer=layer, features=[Feature(index=i, strength=v) for i, v in sorted(values.items())])
         for (s, layer), values in live.manual.items()
     ]
     active = ActiveProfile(name=live.active[0], sae_id=live.active[1][0], layer=live.active[1][1]) if live.active else None
-    value = report(plan_for(_NoFields(), live, dials), changed=False)
+    value = report(plan_for(_NoFields(), live, dials, joined or []), changed=False)
     unusable = [UnusableAttachment(sae_id=s, layer=layer, reason=u.reason, message=u.message) for (s, layer), u in live.unusable.items()]
     return LiveState(
         epoch=live.epoch, attached=list(live.attachments), manual=manual, active_profile=active, steering=value, unusable=unusable
@@ -365,7 +374,8 @@ def live_state(dials: Dials, live: Live) -> LiveState:
 def live_response(request: Request) -> Response:
     """``GET /api/steering``'s body for the current snapshot (after a write: the state it
     made current)."""
-    return json_response(live_state(dials_of(app_context(request)), steering_state(request).live))
+    app = app_context(request)
+    return json_response(live_state(dials_of(app), steering_state(request).live, contributors(app)))
 
 
 async def get_steering(request: Request) -> Response:

@@ -10,7 +10,9 @@ alone (the global state is never written for a request):
   else the manual values); 0 / ``"off"`` turns everything off without validating the base.
 
 Report members are ordered by layer, then SAE; ``changed`` is added to every member when
-the steering epoch moved between admission and the end of generation. A request that would
+the steering epoch moved between admission and the end of generation. Other plugins'
+global steering (circuits) joins a request that runs with the global state through
+:mod:`.contrib`: its members come first, by id. A request that would
 need an attachment that cannot be applied (its SAE unreadable after a restart, or not
 fitting the model) runs without it and reports ``unknown;reason=claims_unreadable``.
 
@@ -21,14 +23,17 @@ lands at the same moment, and it reads memory only: no database, no files.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from millm_core.api import AppliedSet, MillmError
 
 from . import inline
+from .contrib import CircuitMember, Contributor
 from .inline import SAENotAttached
 from .intensity import Intensity, is_off
 from .intensity import parse as parse_intensity
@@ -55,12 +60,25 @@ class Entry:
 @dataclass(frozen=True)
 class Plan:
     """A request's steering: the non-empty entries, the epoch it was decided at, and the
-    λ to echo in ``X-miLLM-Steering-Intensity`` (None: the dial changes nothing)."""
+    λ to echo in ``X-miLLM-Steering-Intensity`` (None: the dial changes nothing).
+
+    Contributions (:mod:`.contrib`) add ``circuits`` members (reported first, by id), the
+    deltas they apply (``added``: layer → vector), response ``headers`` and ``watches``
+    (each says whether its contributor's state moved since: ``changed``)."""
 
     entries: tuple[Entry, ...] = ()
     epoch: int = 0
     echo: float | None = None
     unknown: str | None = None  # the state could not be determined (reported, never guessed)
+    circuits: tuple[CircuitMember, ...] = ()
+    added: Mapping[int, Any] = field(default_factory=dict)
+    headers: Mapping[str, str] = field(default_factory=dict)
+    watches: tuple[Callable[[], bool], ...] = ()
+
+    def moved(self, epoch: int) -> bool:
+        """Whether the steering epoch is no longer the plan's, or a contribution's state
+        moved: the report then says ``changed``."""
+        return epoch != self.epoch or any(watch() for watch in self.watches)
 
 
 @dataclass(frozen=True)
@@ -101,10 +119,10 @@ def _manual(live: Live, lam: float) -> list[Entry]:
     ]
 
 
-def plan_for(request: Any, live: Live, dials: Dials) -> Plan:
+def plan_for(request: Any, live: Live, dials: Dials, contributors: Sequence[Contributor] = ()) -> Plan:
     """Decide a validated request's steering from one snapshot ``live``. Raises the
     request's 4xx (unknown profile, profile invalid for the attached SAE, bad inline
-    set)."""
+    set). ``contributors`` are asked only when the request runs with the global state."""
     epoch = live.epoch
     steering = getattr(request, "steering", None)
     if isinstance(steering, inline.InlineSteering):
@@ -131,6 +149,37 @@ def plan_for(request: Any, live: Live, dials: Dials) -> Plan:
         except AttachmentUnusable:
             return Plan(epoch=epoch, unknown=CLAIMS_UNREADABLE)
         return Plan(entries=_nonempty([entry]), epoch=epoch, echo=entry.intensity if dial is not None and entry.applied.features else None)
+    contributed = [c for c in (contributor.contribute(live, dial) for contributor in contributors) if c is not None]
+    watches = tuple(c.moved for c in contributed)
+    unknown = next((c.unknown for c in contributed if c.unknown), None)
+    if unknown is not None:
+        return Plan(epoch=epoch, unknown=unknown, watches=watches)
+    based = [c for c in contributed if c.base]
+    if dial is not None and is_off(dial):
+        own = _global(live, dials, dial, epoch)
+        return replace(own, echo=0.0 if based and not own.unknown else own.echo, watches=watches)
+    own = _global(live, dials, None if based else dial, epoch)
+    if own.unknown:
+        return replace(own, watches=watches)
+    added: dict[int, Any] = {}
+    for contribution in contributed:
+        for layer, given in contribution.deltas.items():
+            vector = np.asarray(given, dtype=np.float32)  # a tuple would concatenate, not add
+            added[layer] = vector if layer not in added else added[layer] + vector
+    return Plan(
+        entries=_nonempty([*own.entries, *(e for c in contributed for e in c.entries)]),
+        epoch=epoch,
+        echo=based[0].echo if based else own.echo,
+        circuits=tuple(sorted((m for c in contributed for m in c.circuits), key=lambda m: m.id)),
+        added=added,
+        headers={k: v for c in contributed for k, v in c.headers.items()},
+        watches=watches,
+    )
+
+
+def _global(live: Live, dials: Dials, dial: Intensity | None, epoch: int) -> Plan:
+    """The steering plugin's own global state for a request with no ``steering`` or
+    ``profile``: the active profile and the manual values, scaled by ``dial``."""
     try:
         active = named(live.profiles, live.active[0]) if live.active else None
         as_stored = profile_entry(active, "active", None, live, dials) if active else None
@@ -160,12 +209,14 @@ def _nonempty(entries: list[Entry]) -> tuple[Entry, ...]:
 
 
 def deltas(plan: Plan, live: Live) -> dict[int, tuple[float, ...]]:
-    """layer → Σ strength · W_dec[index] over the plan's entries at that layer (``live``:
-    the snapshot the plan was decided from)."""
+    """layer → Σ strength · W_dec[index] over the plan's entries at that layer, plus what
+    contributions add there (``live``: the snapshot the plan was decided from)."""
     out: dict[int, Any] = {}
     for entry in plan.entries:
         direction = live.saes[entry.sae_id].direction(entry.applied.features)
         out[entry.layer] = direction if entry.layer not in out else out[entry.layer] + direction
+    for layer, vector in plan.added.items():  # contributed (circuits): summed with the rest
+        out[layer] = vector if layer not in out else out[layer] + vector
     return {layer: tuple(float(v) for v in vector) for layer, vector in out.items()}
 
 
@@ -186,10 +237,23 @@ def _member(entry: Entry) -> str:
     return value
 
 
+def sf_string(value: str) -> str:
+    """``value`` as an RFC 8941 String (printable ASCII only; ``"`` and ``\\`` escaped)."""
+    if any(not 0x20 <= ord(c) <= 0x7E for c in value):
+        raise ValueError(f"{value!r} cannot be an RFC 8941 String")
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def circuit_member(member: CircuitMember) -> str:
+    """``circuit;id="…";intensity="…"[;composed]`` (without ``changed``)."""
+    return f'circuit;id={sf_string(member.id)};intensity="{float(member.intensity)!r}"' + (";composed" if member.composed else "")
+
+
 def report(plan: Plan, changed: bool) -> str:
-    """The ``X-miLLM-Steering`` value (an RFC 8941 List) for what the rows ran with."""
+    """The ``X-miLLM-Steering`` value (an RFC 8941 List) for what the rows ran with:
+    circuits first by id, then SAE items by layer, then SAE."""
     if plan.unknown:
         members = [f"unknown;reason={plan.unknown}"]
     else:
-        members = [_member(e) for e in plan.entries] or ["none"]
+        members = [*(circuit_member(m) for m in plan.circuits), *(_member(e) for e in plan.entries)] or ["none"]
     return ", ".join(m + (";changed" if changed else "") for m in members)

@@ -56,3 +56,28 @@ def resolve(value: Intensity, declared: tuple[float, float] | None, floor: float
         return high
     assert isinstance(value, float)
     return min(value, high)
+
+
+def clamped_bounds(declared: tuple[float, float] | None, floor: float, ceiling: float) -> tuple[float, float]:
+    """The dial's [min, max] under the circuit rule: the declared range intersected with the
+    configured [floor, ceiling] (and the envelope); without a declared range, that
+    configured range."""
+    if declared is None:
+        return bounds(None, floor, ceiling)
+    return bounds((max(declared[0], floor), min(declared[1], ceiling)), floor, ceiling)
+
+
+def resolve_clamped(value: Intensity, declared: tuple[float, float] | None, floor: float, ceiling: float) -> float:
+    """The λ a dial value means under the circuit rule: clamped at *both* ends into
+    :func:`clamped_bounds`, so a number below the floor resolves to the floor; only an
+    exact 0 or ``"off"`` is honoured below it. With no declared range and a floor of 0,
+    ``"min"`` is 0, the same as ``"off"``."""
+    if is_off(value):
+        return 0.0
+    low, high = clamped_bounds(declared, floor, ceiling)
+    if value == "min":
+        return low
+    if value == "max":
+        return high
+    assert isinstance(value, float)
+    return min(max(value, low), high)

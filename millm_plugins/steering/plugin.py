@@ -6,6 +6,10 @@ Steering is per request: pre-forward decides the request's steering once (:mod:`
 and its rows carry their own delta; no global state is written for a request. Scoring and
 embeddings never reach pre-forward, so they are never steered (finalize says ``none`` for a
 scored request). The plugin's state and tables are created at start-up (``millm_startup``).
+
+Other plugins' global steering (the circuits plugin) joins each request's decision through
+the public extension point in :mod:`.contrib`: the steering plugin alone writes the deltas
+and ``X-miLLM-Steering``, and sets the headers a contribution brings.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from millm_core.api import (
 from . import api, api_profiles
 from .api import CEILING, FLOOR, STATE, dials_of, state_of
 from .apply import Plan, deltas, plan_for, report
+from .contrib import contributors
 from .inline import InlineSteering, check, conflicts
 from .intensity import parse as parse_intensity
 from .registry import SteeringState
@@ -84,7 +89,7 @@ def millm_startup(app: AppContext) -> None:
     state = app.stash[STATE] = SteeringState(store=app.store)
     state.start_watching()
     app.stash[USAGE] = Counter(
-        "millm_steered_requests", "Generation requests by the kind of steering they ran with (none, inline, profile, manual, unknown)",
+        "millm_steered_requests", "Generation requests by the kind of steering they ran with (none, inline, profile, manual, circuit, unknown)",
         ["kind"], registry=app.metrics,
     )  # fmt: skip
 
@@ -132,11 +137,13 @@ def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
 @hookimpl
 def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> None:
     live = state_of(ctx.app).live  # one snapshot, in memory: no database read per request
-    steering = plan_for(request, live, dials_of(ctx.app))
+    steering = plan_for(request, live, dials_of(ctx.app), contributors(ctx.app))
     for layer, vector in deltas(steering, live).items():
         plan.deltas[layer] = vector
     if steering.echo is not None:
         ctx.set_header(INTENSITY_HEADER, repr(float(steering.echo)))
+    for name, value in steering.headers.items():  # a contribution's own (X-miLLM-Circuit-Rung)
+        ctx.set_header(name, value)
     ctx.stash[PLAN] = steering
 
 
@@ -148,8 +155,12 @@ def millm_finalize(ctx: RequestContext, request: Any, outcome: Outcome, out: Fin
         out.headers[HEADER] = "none"  # a scoring pass carries no steering delta
         return
     steering = ctx.stash.get(PLAN, Plan(unknown="read_failed"))
-    value = report(steering, changed=state_of(ctx.app).epoch != steering.epoch)
-    kinds = {"unknown"} if steering.unknown else ({entry.kind for entry in steering.entries} or {"none"})
+    value = report(steering, changed=steering.moved(state_of(ctx.app).epoch))
+    kinds = (
+        {"unknown"}
+        if steering.unknown
+        else ({entry.kind for entry in steering.entries} | ({"circuit"} if steering.circuits else set()) or {"none"})
+    )
     for kind in sorted(kinds):
         ctx.app.stash[USAGE].labels(kind).inc()
     if ctx.stream:

@@ -260,8 +260,14 @@ def test_gguf_is_refused_before_anything_runs(gguf_server: Any) -> None:
     body = {"model": gguf_server_model(gguf_server), "messages": MESSAGES, "max_tokens": 2, "return_sae_activations": {"top_k": 2}}
     resp = httpx.post(gguf_server.base_url + "/v1/chat/completions", json=body, timeout=60)
     assert resp.status_code == 400, resp.text
-    assert resp.json()["error"]["param"] == "return_sae_activations"
+    assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == ("return_sae_activations", "field_not_honoured")
 
 
 def gguf_server_model(srv: Any) -> str:
     return str(httpx.get(srv.base_url + "/v1/models").json()["data"][0]["id"])
+
+
+def test_a_scoring_request_is_refused_naming_the_field(act_server: Any) -> None:
+    resp = chat(act_server, {"top_k": 2}, logprobs=True, max_tokens=1)
+    assert resp.status_code == 400, resp.text
+    assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == ("return_sae_activations", "field_not_honoured")

@@ -41,7 +41,7 @@ CONDITIONS: dict[str, dict[str, Any]] = {
 STRUCTURAL = {"model", "messages", "prompt", "input"}
 # Honoured fields whose sample names something that does not exist: the lookup proves the
 # field was read (a refusal would be 400 field_not_honoured).
-HONOURED_LOOKUPS: dict[str, tuple[int, str]] = {"profile": (404, "profile_not_found")}
+HONOURED_LOOKUPS: dict[str, tuple[int, str]] = {"profile": (404, "profile_not_found"), "return_sae_activations": (400, "sae_not_attached")}
 PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
 BASES: dict[str, dict[str, Any]] = {
     "chat.completions": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
