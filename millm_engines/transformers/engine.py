@@ -280,6 +280,31 @@ class TransformersEngine:
             batch.deltas = {layer: torch.cat([rows_of(batch.deltas, layer, ra), rows_of(sub.deltas, layer, rb)]) for layer in layers}
 
     def _prefill(self, batch: HFBatch) -> torch.Tensor:
+        """The prompts' forward pass. On the lean decode step each row is prefilled on its
+        own and the caches merged: a row's prefill then never depends on the other rows
+        (no padding, the same matrix shapes as alone), which low-precision kernels would
+        otherwise show in its tokens."""
+        if self.fast is None or batch.size == 1:
+            return self._prefill_padded(batch)
+        parts = [self._row_batch(batch, r) for r in range(batch.size)]
+        logits = torch.cat([self._prefill_padded(part) for part in parts])
+        merged = parts[0]
+        for part in parts[1:]:
+            self._merge(merged, part)
+        batch.kv, batch.mask, batch.next_pos, batch.draw_pos = merged.kv, merged.mask, merged.next_pos, merged.draw_pos
+        reads = [part.reads[0] if part.reads is not None else None for part in parts]
+        batch.reads = reads if any(r is not None for r in reads) else None
+        return logits
+
+    def _row_batch(self, batch: HFBatch, row: int) -> HFBatch:
+        """Row ``row`` of ``batch`` as a batch of its own (same delta, same taps)."""
+        part = HFBatch(prompts=[batch.prompts[row]], params=[batch.params[row]], row_taps=[batch.row_taps[row]])
+        part.taps = TapSet.build(part.row_taps, self.device, self.info.n_layers)
+        if batch.deltas is not None:
+            part.deltas = {layer: delta[row : row + 1] for layer, delta in batch.deltas.items()}
+        return part
+
+    def _prefill_padded(self, batch: HFBatch) -> torch.Tensor:
         lengths = [len(p) for p in batch.prompts]
         width = max(lengths)
         ids = torch.full((len(lengths), width), self._pad_id, dtype=torch.long)
@@ -319,7 +344,10 @@ class TransformersEngine:
         if self.fast is not None and batch.kv is not None:
             mask = batch.mask.bool() if batch.mask is not None else None
             reads = batch.taps.by_layer if batch.taps is not None else None
-            logits = self.fast.step(batch.last_tokens, batch.next_pos, batch.kv, mask, batch.deltas, reads, captured)
+            # Padded rows attend over their own columns only: attention over a longer,
+            # masked row reduces in another order, which bf16 shows in the tokens.
+            starts = mask.int().argmax(dim=1).tolist() if mask is not None else None
+            logits = self.fast.step(batch.last_tokens, batch.next_pos, batch.kv, None if starts else mask, batch.deltas, reads, captured, starts)
             batch.next_pos = batch.next_pos + 1
             self._decode_reads(batch, captured)
             return logits

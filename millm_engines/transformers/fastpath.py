@@ -187,12 +187,15 @@ class LlamaDecoder:
         deltas: dict[int, torch.Tensor] | None = None,
         reads: LayerReads | None = None,
         captured: Captured | None = None,
+        starts: list[int] | None = None,
     ) -> torch.Tensor:
         """Logits ``[rows, vocab]`` for one new token per row. ``positions`` are the
         tokens' rotary positions; ``mask`` (bool ``[rows, length + 1]``, True = attend) is
         needed only when rows are padded; ``deltas[layer]`` (``[rows, d_model]``) is added
         to that block's output, as the steering hooks do on the HF forward; ``reads``
-        names the rows whose block outputs go into ``captured`` (see :mod:`.taps`)."""
+        names the rows whose block outputs go into ``captured`` (see :mod:`.taps`).
+        ``starts[r]``, when given, is row r's first real cache column: each row then
+        attends over exactly its own columns, with no mask (the row computes as alone)."""
         rows = tokens.shape[0]
         hidden = F.embedding(tokens, self.embed)[:, None, :]
         cos, sin = self.rotary(hidden, positions[:, None])
@@ -213,9 +216,19 @@ class LlamaDecoder:
             keys, values = cache.keys[i], cache.values[i]
             keys[:, :, t : t + 1] = k
             values[:, :, t : t + 1] = v
-            attn = F.scaled_dot_product_attention(
-                q, keys[:, :, : t + 1], values[:, :, : t + 1], attn_mask=attn_mask, scale=self.scaling, enable_gqa=gqa
-            )
+            if starts is None:
+                attn = F.scaled_dot_product_attention(
+                    q, keys[:, :, : t + 1], values[:, :, : t + 1], attn_mask=attn_mask, scale=self.scaling, enable_gqa=gqa
+                )
+            else:  # each row over exactly its own columns, as it would run alone
+                attn = torch.cat(
+                    [
+                        F.scaled_dot_product_attention(
+                            q[r : r + 1], keys[r : r + 1, :, s : t + 1], values[r : r + 1, :, s : t + 1], scale=self.scaling, enable_gqa=gqa
+                        )
+                        for r, s in enumerate(starts)
+                    ]
+                )
             hidden = hidden + F.linear(attn.transpose(1, 2).reshape(rows, 1, self.q_size), layer.w_o)
             x = _rms(hidden, layer.w_post, self.eps)
             gate_up = F.linear(x, layer.w_gate_up)
