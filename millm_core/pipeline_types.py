@@ -143,7 +143,7 @@ class Finalization:
     Closing chunks go out in ascending ``order[key]`` (default
     :data:`DEFAULT_CLOSING_ORDER`), then by key; set an order with :meth:`extend`. The
     built-in plugins use: probe verdicts 10, SAE activations (``millm``) 20, steering 90
-    (always last, so the steering report closes every stream)."""
+    (the built-in reports close with it; a plugin going after it does so on purpose)."""
 
     headers: dict[str, str] = field(default_factory=dict)
     extensions: dict[str, Any] = field(default_factory=dict)

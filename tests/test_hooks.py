@@ -134,6 +134,8 @@ def test_closing_chunks_follow_their_order_and_an_interrupted_stream_is_finalize
         deadline = time.monotonic() + 30
         while len(plugin.seen) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
+        time.sleep(0.5)
+        assert len(plugin.seen) == 2, plugin.seen  # finalized once, never twice
         cancelled, reasons = plugin.seen[-1]
         assert cancelled is True and reasons == ("cancelled",), plugin.seen
 

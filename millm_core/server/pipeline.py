@@ -226,6 +226,7 @@ class RunHandle:
     job: Job
     events: asyncio.Queue[JobEvent]
     rows: int
+    ended: bool = False  # the job's last event (done or failed) was read
 
 
 def submit(state: AppState, prepared: Prepared) -> RunHandle:
@@ -275,9 +276,25 @@ async def events(handle: RunHandle) -> AsyncIterator[StepEvents]:
         if isinstance(event, StepEvents):
             yield event
         elif isinstance(event, JobDone):
+            handle.ended = True
             return
         elif isinstance(event, JobFailed):
+            handle.ended = True
             raise event.error
+
+
+async def until_ended(handle: RunHandle, timeout: float) -> bool:
+    """Wait (reading and dropping its events) until the job has ended; False if it has not
+    within ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not handle.ended:
+        try:
+            event = await asyncio.wait_for(handle.events.get(), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            return False
+        handle.ended = isinstance(event, JobDone | JobFailed)
+    return True
 
 
 def outcome(

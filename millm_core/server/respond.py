@@ -9,8 +9,8 @@ mid-stream errors, finalize extensions — is shared by every endpoint.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -28,7 +28,7 @@ from ..pipeline_types import Finalization, Outcome, Reply
 from ..registry import ServedModel
 from ..sfv import string_list
 from .errors import error_body, internal_error
-from .pipeline import Prepared, RunHandle, events, finalize, outcome, submit
+from .pipeline import Prepared, RunHandle, events, finalize, outcome, submit, until_ended
 from .state import AppState
 
 log = structlog.get_logger("millm.respond")
@@ -129,13 +129,11 @@ def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
     options = getattr(prepared.request, "stream_options", None)
     include_usage = not (isinstance(options, StreamOptions) and options.include_usage is False)
 
+    progress = _Progress(handle.rows)
+    counts, texts, reasons, fields = progress.counts, progress.texts, progress.reasons, progress.fields
+
     async def body() -> AsyncIterator[bytes]:
-        counts = [0] * handle.rows
-        texts = [""] * handle.rows
-        reasons: list[str | None] = [None] * handle.rows
-        fields: list[dict[str, Any] | None] = [None] * handle.rows
         open_rows = handle.rows
-        finalized = False  # a stream that ends before finalize still tells the plugins
         clock = TokenClock(state.metrics, prepared.ctx.started)
         try:
             for row in range(handle.rows):
@@ -167,7 +165,7 @@ def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
                         yield sse_frame(shapes.chunk(response_id, created, info.served_name, ev.row, ev.text, None, False, None))
             result = outcome(prepared, texts, reasons, counts, fields=fields)
             count_tokens(state, prepared.ctx, result)
-            finalized = True
+            progress.finalized = True
             final = finalize(state, prepared, result)
             for key, value in final.closing():
                 yield encode_extension(response_id, created, info.served_name, shapes, key, value)
@@ -180,27 +178,44 @@ def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
         finally:
             # Runs on completion and on client disconnect (generator closed/cancelled).
             handle.job.cancel()
-            if not finalized:
-                _finalize_interrupted(state, prepared, texts, reasons, counts, fields)
         yield SSE_DONE
 
     headers = _headers(state, prepared)
     headers["Cache-Control"] = "no-cache"
-    return JobStream(body(), handle, prepared, media_type="text/event-stream", headers=headers)
+    return JobStream(body(), handle, prepared, media_type="text/event-stream", headers=headers, on_end=lambda: _interrupted(state, prepared, handle, progress))
 
 
-def _finalize_interrupted(
-    state: AppState,
-    prepared: Prepared,
-    texts: list[str],
-    reasons: list[str | None],
-    counts: list[int],
-    fields: list[dict[str, Any] | None],
-) -> None:
-    """Finalize hooks for a stream that ended early (the client left, or an error ended
-    it): ``outcome.cancelled`` is true and nothing they write is sent."""
+@dataclass
+class _Progress:
+    """What a stream has sent so far, shared by its body and its response."""
+
+    rows: int
+    finalized: bool = False
+    counts: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    reasons: list[str | None] = field(default_factory=list)
+    fields: list[dict[str, Any] | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.counts, self.texts = [0] * self.rows, [""] * self.rows
+        self.reasons, self.fields = [None] * self.rows, [None] * self.rows
+
+
+INTERRUPTED_WAIT_S = 30.0
+
+
+async def _interrupted(state: AppState, prepared: Prepared, handle: RunHandle, progress: _Progress) -> None:
+    """Finalize hooks for a stream that ended before its finalize (the client left, before
+    or after the first chunk, or an error ended it): ``outcome.cancelled`` is true and
+    nothing they write is sent. Called once the job has left the model thread, so that no
+    processor of its rows runs while the hooks read their state."""
+    if progress.finalized:
+        return
+    if not await until_ended(handle, INTERRUPTED_WAIT_S):
+        log.warning("interrupted_job_still_running", request_id=prepared.ctx.request_id)
+    result = outcome(prepared, progress.texts, progress.reasons, progress.counts, cancelled=True, fields=progress.fields)
     try:
-        finalize(state, prepared, outcome(prepared, texts, reasons, counts, cancelled=True, fields=fields))
+        finalize(state, prepared, result)
     except Exception:  # noqa: BLE001 - the stream is gone; a plugin's failure here is only logged
         log.exception("finalize_interrupted_failed")
 
@@ -210,10 +225,13 @@ class JobStream(StreamingResponse):
     ends, including when the client left before the first chunk (the body generator then
     never starts, so its own ``finally`` would never run)."""
 
-    def __init__(self, content: AsyncIterator[bytes], handle: RunHandle, prepared: Prepared, **kwargs: Any) -> None:
+    def __init__(
+        self, content: AsyncIterator[bytes], handle: RunHandle, prepared: Prepared, on_end: Callable[[], Awaitable[None]] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(content, **kwargs)
         self._handle = handle
         self._prepared = prepared
+        self._on_end = on_end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -224,9 +242,14 @@ class JobStream(StreamingResponse):
             # A client that left while the body waited at a ``yield`` leaves the generator
             # suspended there: close it now, so its own ``finally`` (the interrupted
             # stream's finalize) runs at once rather than whenever it is collected.
-            close = getattr(self.body_iterator, "aclose", None)
-            if close is not None:
-                await close()
+            try:
+                close = getattr(self.body_iterator, "aclose", None)
+                if close is not None:
+                    await close()
+                if self._on_end is not None:
+                    await self._on_end()
+            except BaseException:  # noqa: BLE001 - cancelled (shutdown) or a plugin's failure: the response is over
+                log.warning("stream_end_hooks_skipped", request_id=self._prepared.ctx.request_id)
 
 
 def encode_extension(response_id: str, created: int, model: str, shapes: Shapes, key: str, value: Any) -> bytes:

@@ -190,14 +190,14 @@ class TransformersEngine:
         else:
             logits = self._decode(batch)
         joining, batch.joining = batch.joining, []
-        reads: list[Readout | None] = batch.reads if batch.reads is not None else [None] * batch.size
+        if joining and (batch.reads is not None or any(sub.reads is not None for sub in joining)):
+            reads = batch.reads if batch.reads is not None else [None] * batch.size
+            batch.reads = reads + [r for sub in joining for r in (sub.reads if sub.reads is not None else [None] * sub.size)]
         for sub in joining:  # each joined request's prompts, prefilled on their own at join
             assert sub.prefilled is not None
             logits = torch.cat([logits, sub.prefilled])
             sub.prefilled = None
-            reads = reads + (sub.reads if sub.reads is not None else [None] * sub.size)
             self._merge(batch, sub)
-        batch.reads = reads
         logits = logits.float()
         broken = _non_finite_rows(logits)
         if broken:  # those rows fail alone; the others are sampled as usual

@@ -39,6 +39,10 @@ class Collector:
         self.read: list[tuple[int, list[tuple[int, float]]]] = []  # (position, [(index, value)])
         self.last: tuple[int, np.ndarray] | None = None  # for positions "last": the latest vector
         self.candidates = np.asarray(selected.features, dtype=np.int64) if selected.features is not None else None
+        # The candidates' encoder columns alone when possible: their activations, for a
+        # fraction of the work (indices then map through ``self.candidates``).
+        self.encoder = selected.encoder
+        self.restricted = self.encoder is not selected.sae
 
     # ------------------------------------------------------------------ per-token stage
 
@@ -63,8 +67,15 @@ class Collector:
             return
         wanted = [i for i, p in enumerate(positions) if self._wanted(p)]
         if wanted:
-            acts = self.selected.sae.encode(np.asarray(vectors)[wanted])
+            acts = self.encoder.encode(np.asarray(vectors)[wanted])
             self.read += [(positions[i], self._top(row)) for i, row in zip(wanted, acts, strict=True)]
+
+    def end(self, finish_reason: str) -> None:
+        """As the row ends, on the model thread: encode the last position read."""
+        if self.last is not None:
+            position, vector = self.last
+            self.read.append((position, self._top(self.encoder.encode(vector)[0])))
+            self.last = None
 
     # ------------------------------------------------------------------ result
 
@@ -83,7 +94,7 @@ class Collector:
         """The ``top_k`` largest candidates, by value then index. Without a candidate list
         only active features (value ≠ 0) are listed; a listed candidate is listed even at 0."""
         if self.candidates is not None:
-            indices, values = self.candidates, acts[self.candidates]
+            indices, values = self.candidates, (acts if self.restricted else acts[self.candidates])
         else:
             active = np.flatnonzero(acts)
             indices, values = active, acts[active]
@@ -96,9 +107,6 @@ class Collector:
     def result(self) -> dict[str, Any]:
         """The ``millm.sae_activations`` object: the positions actually read, ascending."""
         read = list(self.read)
-        if self.last is not None:
-            position, vector = self.last
-            read.append((position, self._top(self.selected.sae.encode(vector)[0])))
         return {
             "sae_id": self.selected.sae_id,
             "layer": self.selected.layer,

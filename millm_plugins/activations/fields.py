@@ -32,11 +32,12 @@ Positions = Literal["last", "prompt", "completion", "all"] | PositionRange
 
 class ReturnSAEActivations(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What a request asks to read: an attached SAE (``sae_id``; optional when exactly
-    one is attached), the candidate ``features`` (default: all), the ``top_k`` largest per
+    one is attached; ``layer`` picks among several attachments), the candidate ``features`` (default: all), the ``top_k`` largest per
     position, which ``positions`` and the ``read_point`` (before or after this layer's
     steering delta)."""
 
     sae_id: str | None = None
+    layer: Annotated[int, Meta(ge=0)] | None = None  # beyond the spec: picks one of an SAE's several attachments
     features: list[NonNegative] | None = None
     top_k: Annotated[int, Meta(ge=1)] = 8
     positions: Positions = "completion"

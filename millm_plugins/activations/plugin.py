@@ -32,7 +32,7 @@ from millm_plugins.steering.api import STATE
 
 from .collect import Collector
 from .fields import FIELD, MAX_ENTRIES, MAX_TOP_K, ReturnSAEActivations
-from .select import Selected, check_size, select, shape_problems
+from .select import Selected, check_model, check_size, select, shape_problems
 
 KEY = "millm"  # the response's top-level object
 CLOSING_ORDER = 20  # after probe verdicts (10), before the steering report (90)
@@ -76,6 +76,8 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
     if asked is None:
         return
     selected = _select(ctx.app, asked)  # the snapshot now: an SAE detached since validation is a 400 here
+    assert ctx.model is not None
+    check_model(selected, ctx.model.info.d_model, ctx.model.info.n_layers)
     check_size(asked, selected, plan.prompt_lengths[0], plan.max_new_tokens, int(MAX_ENTRIES.get(ctx.settings)))
     plan.taps.add(Tap(selected.layer, asked.read_point))
     collectors = ctx.stash[COLLECTORS] = []

@@ -20,6 +20,12 @@ class TooManyEntries(InvalidRequest):
     code = "sae_activations_too_large"
 
 
+class AttachmentUnusable(InvalidRequest):
+    """400: the attachment is listed but cannot be read for this request."""
+
+    code = "attachment_unusable"
+
+
 @dataclass(frozen=True)
 class Selected:
     """The attached SAE a request reads, where it is attached, and its candidates
@@ -29,6 +35,15 @@ class Selected:
     layer: int
     sae: SAE
     features: tuple[int, ...] | None
+
+    @property
+    def encoder(self) -> SAE:
+        """What encodes a position: the SAE restricted to the candidates when they are
+        listed (their encoder columns only), else the whole SAE. A topk SAE is always
+        encoded whole: its activations depend on every feature."""
+        if self.features is None or self.sae.architecture == "topk":
+            return self.sae
+        return self.sae.restricted(self.features)
 
 
 def shape_problems(ctx: Any, request: Any, asked: ReturnSAEActivations, max_top_k: int) -> list[Problem]:
@@ -57,21 +72,37 @@ def select(asked: ReturnSAEActivations, attachments: Iterable[tuple[str, int]], 
     attached = list(attachments)
     if not attached:
         raise SAENotAttached("return_sae_activations needs an attached SAE; none is attached (POST /api/saes/{id}/attach)", param=PARAM)
-    candidates = [(s, layer) for s, layer in attached if asked.sae_id in (None, s)]
+    candidates = [(s, layer) for s, layer in attached if asked.sae_id in (None, s) and asked.layer in (None, layer)]
     if not candidates:
-        raise SAENotAttached(f"SAE {asked.sae_id!r} is not attached", param=f"{PARAM}.sae_id")
+        at = f" at layer {asked.layer}" if asked.layer is not None else ""
+        what = f"SAE {asked.sae_id!r}" if asked.sae_id is not None else "no SAE"
+        raise SAENotAttached(f"{what} is not attached{at}", param=f"{PARAM}.sae_id" if asked.sae_id is not None else f"{PARAM}.layer")
     if len(candidates) > 1:
         listed = ", ".join(f"({s}, layer {layer})" for s, layer in candidates)
-        raise InvalidRequest(f"several attachments match: {listed}; name one with return_sae_activations.sae_id", param=f"{PARAM}.sae_id")
+        name = "layer" if asked.sae_id is not None else "sae_id"
+        raise InvalidRequest(f"several attachments match: {listed}; name one with return_sae_activations.{name}", param=f"{PARAM}.{name}")
     sae_id, layer = candidates[0]
     if (sae_id, layer) in set(unusable) or sae_id not in saes:
-        raise SAENotAttached(f"SAE {sae_id!r} at layer {layer} is attached but unusable (see GET /api/saes)", param=f"{PARAM}.sae_id")
+        raise AttachmentUnusable(f"SAE {sae_id!r} at layer {layer} is attached but unusable (see GET /api/steering)", param=PARAM)
     sae = saes[sae_id]
+    if sae.encode_refusal is not None:
+        raise InvalidRequest(f"SAE {sae_id!r} cannot be read faithfully: {sae.encode_refusal}", param=PARAM, code="sae_encoding_unsupported")
     if asked.features is not None:
         for i, index in enumerate(asked.features):
             if index >= sae.d_sae:
                 raise InvalidFeatureIndex(f"feature {index} is past SAE {sae_id!r}'s width {sae.d_sae}", param=f"{PARAM}.features[{i}]")
     return Selected(sae_id, layer, sae, tuple(asked.features) if asked.features is not None else None)
+
+
+def check_model(selected: Selected, d_model: int, n_layers: int) -> None:
+    """Refuse an attachment the serving model cannot take (another model than the one the
+    attachments were checked against)."""
+    if selected.sae.d_in != d_model or selected.layer >= n_layers:
+        raise AttachmentUnusable(
+            f"SAE {selected.sae_id!r} (width {selected.sae.d_in}) at layer {selected.layer} does not fit this model "
+            f"(width {d_model}, {n_layers} layers)",
+            param=PARAM,
+        )
 
 
 def worst_case_positions(asked: ReturnSAEActivations, prompt_tokens: int, max_new_tokens: int) -> int:

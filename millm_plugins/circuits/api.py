@@ -370,8 +370,8 @@ async def deactivate_circuit(request: Request) -> Response:
         return book.with_row(replace(row, active=False)) if row.active else None
 
     app = app_context(request)
+    await state_of(app).refresh()  # 409 steering_disabled before anything is written
     await circuits_of(app).commit(change)
-    await state_of(app).refresh()
     return json_response(active_view(app))
 
 
@@ -385,6 +385,7 @@ async def set_intensity(request: Request) -> Response:
     declared range ∩ the configured envelope."""
     body = await read_json(request, CircuitIntensity)
     app = app_context(request)
+    state_of(app)  # 409 steering_disabled before anything is written (the answer needs it)
     envelope = envelope_of(app.settings)
 
     def change(book: Book) -> Book:
@@ -428,7 +429,7 @@ ROUTES: tuple[Route, ...] = (
         "/api/circuits/active",
         active_circuits,
         ["GET"],
-        RouteDoc("The active circuits and how they steer", response=ActiveCircuits, errors=()),
+        RouteDoc("The active circuits and how they steer", response=ActiveCircuits, errors=("409",)),
     ),
     (
         "/api/circuits/active/intensity",
@@ -459,6 +460,6 @@ ROUTES: tuple[Route, ...] = (
         "/api/circuits/{circuit_id}/deactivate",
         deactivate_circuit,
         ["POST"],
-        RouteDoc("Deactivate a circuit", response=ActiveCircuits, errors=("404", "503")),
+        RouteDoc("Deactivate a circuit", response=ActiveCircuits, errors=("404", "409", "503")),
     ),
 )

@@ -28,6 +28,7 @@ import structlog
 from millm_core.api import MillmError, Store
 
 from .document import Circuit
+from .ladder import LADDER
 
 MIGRATIONS: tuple[str, ...] = (
     "CREATE TABLE circuits (id TEXT PRIMARY KEY, name TEXT NOT NULL UNIQUE, document BLOB NOT NULL, body BLOB NOT NULL, "
@@ -92,11 +93,17 @@ class Book:
 
 
 def decode_body(body: bytes) -> tuple[Circuit | None, str | None]:
-    """The compiled circuit, or None and why it cannot be decoded."""
+    """The compiled circuit, or None and why it cannot be decoded. A rung this server's
+    ladder does not have (a newer millm's) is unreadable too: it has no phrase to report,
+    and guessing one could describe a circuit as better validated than it is."""
     try:
-        return msgspec.msgpack.decode(body, type=Circuit), None
+        circuit = msgspec.msgpack.decode(body, type=Circuit)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         return None, f"the stored definition cannot be parsed: {exc}"
+    unknown = sorted({circuit.rung, *(edge.rung for edge in circuit.edges)} - set(LADDER))
+    if unknown:
+        return None, f"the stored definition cannot be parsed: rung {unknown[0]} is not on this server's evidence ladder"
+    return circuit, None
 
 
 def encode_body(circuit: Circuit) -> bytes:

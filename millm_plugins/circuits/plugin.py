@@ -19,15 +19,15 @@ from typing import Any
 import structlog
 
 from millm_core.api import AppContext, PluginSetting, hookimpl
-from millm_plugins.steering.api import dials_of
+from millm_plugins.steering.api import STATE, dials_of
 from millm_plugins.steering.contrib import Contribution, contributors
 from millm_plugins.steering.intensity import Intensity
 from millm_plugins.steering.live import Live
 
 from . import api, settings
 from .api import CIRCUITS, circuits_of
-from .book import CircuitState
-from .serve import contribution, decide
+from .book import Book, CircuitState
+from .serve import SLICE_FALLBACK, Serving, contribution, decide
 
 NAME = "circuits"
 log = structlog.get_logger("millm.circuits")
@@ -42,14 +42,46 @@ class CircuitSteering:
     def contribute(self, live: Live, dial: Intensity | None) -> Contribution | None:
         state = circuits_of(self.app)
         book = state.book  # one snapshot, in memory
+
+        def epoch_moved() -> bool:
+            return state.book.epoch != book.epoch
+
         if not any(row.active for row in book.rows.values()):
-            return None
+            # Nothing to apply, but a circuit activated while the request runs is an
+            # operator write during it: the report must still say ``changed``.
+            return Contribution(moved=epoch_moved)
         try:
             servings = decide(book, live, dial, settings.envelope_of(self.app.settings), dials_of(self.app))
-            return contribution(servings, live, dial, lambda: state.book.epoch != book.epoch)
+            return contribution(servings, live, dial, self._watch(epoch_moved, book, servings, live))
         except Exception:  # noqa: BLE001 - never guess: the request reports unknown and runs unsteered
             log.exception("circuits_contribution_failed")
-            return Contribution(unknown="read_failed")
+            return Contribution(unknown="read_failed", moved=epoch_moved)
+
+    def _watch(self, epoch_moved: Callable[[], bool], book: Book, servings: list[Serving], live: Live) -> Callable[[], bool]:
+        """``moved`` for a request decided from ``book`` and ``live``: the circuits epoch,
+        and the backing clusters of the circuits serving in ``slice_fallback``. A write to
+        one of those (its dial, its features, deleting it) changes what such a circuit
+        applies without moving either epoch (the steering plugin does not know the cluster
+        is in use), so it is compared here by value."""
+        backing = {
+            name: live.profiles.get(name)
+            for serving in servings
+            if serving.mode == SLICE_FALLBACK and (name := _backing(book, serving.id)) is not None
+        }
+        if not backing:
+            return epoch_moved
+        steering = self.app.stash[STATE]
+
+        def moved() -> bool:
+            now = steering.live.profiles
+            return epoch_moved() or any(now.get(name) != used for name, used in backing.items())
+
+        return moved
+
+
+def _backing(book: Book, circuit_id: str) -> str | None:
+    row = book.rows.get(circuit_id)
+    return row.circuit.backing_cluster if row is not None and row.circuit is not None else None
 
 
 @hookimpl

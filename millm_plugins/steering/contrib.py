@@ -25,8 +25,9 @@ header:
 - a contribution that could not be determined (``unknown``) makes the request report
   ``unknown;reason=…`` and run unsteered, as steering does for its own unreadable state;
 - ``circuits`` members come first in the header, by id, then the SAE items by layer;
-- ``changed`` is set on every member when steering's epoch moved, or when any applied
-  contribution's ``moved()`` says its own state changed, while the request ran;
+- ``changed`` is set on every member when steering's epoch moved, or when any
+  contribution's ``moved()`` says its own state changed, while the request ran (one that
+  applied nothing too: an operator activating something mid-request is a change);
 - ``headers`` are set on the response (before generation: a stream gets them too) only
   when the contribution was applied.
 
@@ -93,9 +94,10 @@ class Contributor(Protocol):
 
     def contribute(self, live: Live, dial: Intensity | None) -> Contribution | None:
         """What this request adds, decided from ``live`` (the snapshot the request's own
-        steering is decided from) and its parsed dial (None: no ``steering_intensity``);
-        None when the contributor has nothing active. Must not raise for a request:
-        report state that cannot be read with ``unknown``."""
+        steering is decided from) and its parsed dial (None: no ``steering_intensity``).
+        With nothing active, return ``Contribution(moved=…)`` so that activating something
+        while the request runs is reported ``changed`` (None: nothing to watch either).
+        Must not raise for a request: report state that cannot be read with ``unknown``."""
         ...
 
 

@@ -44,6 +44,8 @@ class SAE:
     threshold: np.ndarray | None = None
     k: int | None = None
     apply_b_dec_to_input: bool = False
+    # SAELens' input normalisation; only "none" is encoded faithfully (SAE.encode_refusal).
+    normalize_activations: str = "none"
     hook_name: str | None = None  # SAELens' hook point, e.g. blocks.10.hook_resid_pre
 
     @property
@@ -67,16 +69,36 @@ class SAE:
         """Feature activations for residual vectors ``x [..., d_in]``."""
         if self.apply_b_dec_to_input:
             x = x - self.b_dec
-        pre = x @ self.W_enc + self.b_enc
-        if self.architecture == "jumprelu":
+        pre = _matmul(x, self.W_enc) + self.b_enc
+        if self.architecture == "jumprelu":  # SAELens: ReLU(pre) where pre > threshold
             assert self.threshold is not None
-            return np.where(pre > self.threshold, pre, 0.0).astype(np.float32)
+            return np.where(pre > self.threshold, np.maximum(pre, 0.0), 0.0).astype(np.float32)
         acts = np.maximum(pre, 0.0)
         if self.architecture == "topk":
             assert self.k is not None
             cutoff = np.sort(acts, axis=-1)[..., -self.k][..., None]
             acts = np.where(acts >= cutoff, acts, 0.0)
         return acts.astype(np.float32)
+
+    def restricted(self, features: Iterable[int]) -> SAE:
+        """This SAE with only ``features`` (in that order): the same activations for them,
+        computed from their encoder columns alone. Not for a topk SAE, whose activations
+        depend on every feature."""
+        if self.architecture == "topk":
+            raise ValueError("a topk SAE's activations depend on every feature; encode it whole")
+        index = np.asarray(list(features), dtype=np.int64)
+        threshold = self.threshold[index] if self.threshold is not None else None
+        return dataclasses.replace(
+            self, W_enc=np.ascontiguousarray(self.W_enc[:, index]), b_enc=self.b_enc[index], W_dec=self.W_dec[index], threshold=threshold
+        )
+
+    @property
+    def encode_refusal(self) -> str | None:
+        """Why :meth:`encode` would not give SAELens' activations for this SAE (None: it
+        does): an input normalisation millm does not apply."""
+        if self.normalize_activations not in ("none", "", None):
+            return f"its cfg.json asks for normalize_activations={self.normalize_activations!r}, which millm does not apply when encoding"
+        return None
 
     def direction(self, features: Iterable[tuple[int, float]]) -> np.ndarray:
         """Σ strength · W_dec[index], float32 ``[d_in]``."""
@@ -88,6 +110,18 @@ class SAE:
     def check_model(self, d_model: int) -> None:
         if self.d_in != d_model:
             raise SAEFormatError(f"the SAE reads vectors of width {self.d_in}; the model's residual stream has width {d_model}", param="path")
+
+
+def _matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ w`` on torch's thread pool when torch is there (it is on every engine that
+    reads the residual stream): encoding runs on the model thread, and a second BLAS
+    thread team there would fight torch's spinning threads for the cores."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency of millm
+        return np.asarray(x @ w)
+    with torch.inference_mode():
+        return (torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)) @ torch.from_numpy(w)).numpy()
 
 
 _HOOK = re.compile(r"^blocks\.(?P<block>\d+)\.hook_resid_(?P<where>pre|post)$")
@@ -148,7 +182,9 @@ def _load(path: str) -> SAE:
         arrays = load_file(weights)
         architecture = str(cfg.get("architecture", "standard"))
         k = cfg.get("k") or cfg.get("activation_fn_kwargs", {}).get("k")
-        sae = _validate(path, arrays, architecture, int(k) if k else None, bool(cfg.get("apply_b_dec_to_input", False)))
+        # SAELens' SAEConfig defaults apply_b_dec_to_input to true.
+        sae = _validate(path, arrays, architecture, int(k) if k else None, bool(cfg.get("apply_b_dec_to_input", True)))
+        sae = dataclasses.replace(sae, normalize_activations=str(cfg.get("normalize_activations") or "none"))
         # SAELens v6 keeps hook_name under metadata; older versions at the top level.
         hook = cfg.get("hook_name") or (cfg.get("metadata") or {}).get("hook_name")
         if isinstance(hook, str):

@@ -16,6 +16,7 @@ import torch
 from safetensors.numpy import save_file
 
 from ..engine.test_taps import hooked_reference
+from ..http.helpers import scheduler_stats
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about the sea."}]
 D_SAE = 48
@@ -33,7 +34,7 @@ def write_jumprelu_sae(folder: pathlib.Path, d_in: int, seed: int) -> str:
             "b_enc": rng.normal(scale=0.1, size=D_SAE).astype(np.float32),
             "W_dec": rng.normal(size=(D_SAE, d_in)).astype(np.float32),
             "b_dec": rng.normal(size=d_in).astype(np.float32),
-            "threshold": np.abs(rng.normal(scale=0.5, size=D_SAE)).astype(np.float32),
+            "threshold": rng.normal(scale=0.5, size=D_SAE).astype(np.float32),  # some below 0: JumpReLU's ReLU matters
         },
         str(folder / "sae_weights.safetensors"),
     )
@@ -43,16 +44,43 @@ def write_jumprelu_sae(folder: pathlib.Path, d_in: int, seed: int) -> str:
 
 
 def reference_encode(path: str, x: np.ndarray) -> np.ndarray:
-    """JumpReLU with b_dec pre-subtraction, written from the SAELens definition."""
+    """SAELens' encoders, written from its definitions: b_dec subtracted first when the
+    config says so (SAELens' default), then ReLU (standard), ReLU(pre)·(pre > threshold)
+    (JumpReLU) or the k largest of ReLU(pre) (topk)."""
     from safetensors.numpy import load_file
 
     w = load_file(str(pathlib.Path(path) / "sae_weights.safetensors"))
-    pre = (x - w["b_dec"]) @ w["W_enc"] + w["b_enc"]
-    return np.where(pre > w["threshold"], pre, 0.0)
+    cfg = json.loads((pathlib.Path(path) / "cfg.json").read_text())
+    if cfg.get("apply_b_dec_to_input", True):
+        x = x - w["b_dec"]
+    pre = x.astype(np.float64) @ w["W_enc"] + w["b_enc"]
+    if cfg["architecture"] == "jumprelu":
+        return np.maximum(pre, 0) * (pre > w["threshold"])
+    acts = np.maximum(pre, 0)
+    if cfg["architecture"] == "topk":
+        keep = np.argsort(-acts, axis=-1)[..., : cfg["k"]]
+        out = np.zeros_like(acts)
+        np.put_along_axis(out, keep, np.take_along_axis(acts, keep, axis=-1), axis=-1)
+        return out
+    return acts
 
 
-def prompt_ids(engine: Any) -> list[int]:
-    text = engine.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+def write_sae(folder: pathlib.Path, d_in: int, seed: int, architecture: str, apply_b_dec: bool) -> str:
+    """A standard or topk SAE (SAELens layout)."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays = {"W_enc": rng.normal(size=(d_in, D_SAE)) / np.sqrt(d_in), "b_enc": rng.normal(scale=0.1, size=D_SAE),
+              "W_dec": rng.normal(size=(D_SAE, d_in)), "b_dec": rng.normal(size=d_in)}  # fmt: skip
+    save_file({k: v.astype(np.float32) for k, v in arrays.items()}, str(folder / "sae_weights.safetensors"))
+    cfg: dict[str, Any] = {"d_in": d_in, "d_sae": D_SAE, "architecture": architecture, "apply_b_dec_to_input": apply_b_dec}
+    if architecture == "topk":
+        cfg["k"] = 6
+    (folder / "cfg.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
+def prompt_ids(engine: Any, messages: list[dict[str, str]] = MESSAGES) -> list[int]:
+    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -61,13 +89,13 @@ def hooked_residuals(engine: Any, ids: list[int], delta: np.ndarray | None) -> d
     return hooked_reference(engine, ids, LAYER, tuple(delta.tolist()) if delta is not None else None)
 
 
-def greedy_reference(engine: Any, ids: list[int], delta: np.ndarray | None) -> list[int]:
+def greedy_reference(engine: Any, ids: list[int], delta: np.ndarray | None, max_tokens: int = MAX_TOKENS) -> list[int]:
     add = torch.tensor(delta) if delta is not None else None
     handle = engine.model.model.layers[LAYER].register_forward_hook(lambda m, a, out: out + add) if add is not None else None
     try:
         with torch.no_grad():
             out = engine.model.generate(
-                torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=sorted(engine.eos_token_ids), pad_token_id=0
+                torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=sorted(engine.eos_token_ids), pad_token_id=0
             )
     finally:
         if handle is not None:
@@ -96,10 +124,13 @@ def chat(srv: Any, asked: dict[str, Any] | None, **extra: Any) -> httpx.Response
     return httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=120)
 
 
-def expected(engine: Any, path: str, read_point: str, top_k: int, features: list[int] | None, delta: np.ndarray | None) -> dict[int, Any]:
+def expected(
+    engine: Any, path: str, read_point: str, top_k: int, features: list[int] | None, delta: np.ndarray | None,
+    messages: list[dict[str, str]] = MESSAGES, max_tokens: int = MAX_TOKENS,
+) -> dict[int, Any]:  # fmt: skip
     """position -> (token id, [(index, value)]) over every fed position, computed offline."""
-    prompt = prompt_ids(engine)
-    generated = greedy_reference(engine, prompt, delta)
+    prompt = prompt_ids(engine, messages)
+    generated = greedy_reference(engine, prompt, delta, max_tokens)
     fed = prompt + generated[:-1]  # the last draw is never fed back, so it has no activation
     acts = reference_encode(path, hooked_residuals(engine, fed, delta)[read_point])
     out: dict[int, Any] = {}
@@ -128,6 +159,22 @@ def test_activations_equal_an_offline_hooked_encoding(act_server: Any, tiny_engi
     want = expected(tiny_engine, sae_paths["reader"], "post_steering", 5, None, None)
     assert [e["position"] for e in acts["positions"]] == sorted(want)  # every fed position, the last draw excluded
     assert_matches(acts["positions"], want)
+
+
+@pytest.mark.parametrize(("architecture", "apply_b_dec"), [("standard", False), ("standard", True), ("topk", True)])
+def test_every_architecture_encodes_as_saelens_does(
+    make_server: Any, tiny_engine: Any, tmp_path: pathlib.Path, architecture: str, apply_b_dec: bool
+) -> None:
+    path = write_sae(tmp_path / architecture, tiny_engine.info.d_model, 11, architecture, apply_b_dec)
+    with make_server() as srv:
+        assert httpx.post(srv.base_url + "/api/saes", json={"path": path, "id": "arch"}).status_code == 201
+        assert httpx.post(srv.base_url + "/api/saes/arch/attach", json={"layer": LAYER}).status_code == 200
+        resp = chat(srv, {"top_k": 5, "positions": "all"})
+        assert resp.status_code == 200, resp.text
+        listed = resp.json()["millm"]["sae_activations"]["positions"]
+        assert_matches(listed, expected(tiny_engine, path, "post_steering", 5, None, None))
+        some = chat(srv, {"top_k": 3, "positions": "all", "features": [4, 9, 17, 30]}).json()["millm"]["sae_activations"]["positions"]
+        assert_matches(some, expected(tiny_engine, path, "post_steering", 3, [4, 9, 17, 30], None))
 
 
 @pytest.mark.parametrize("read_point", ["pre_steering", "post_steering"])
@@ -178,19 +225,39 @@ def test_a_response_that_did_not_ask_has_no_millm_key(act_server: Any) -> None:
     assert "millm" not in chat(act_server, None).json()
 
 
-def test_shared_batch_reads_the_same_as_alone(act_server: Any) -> None:
+def test_shared_batch_reads_the_same_as_alone(act_server: Any, tiny_engine: Any, sae_paths: dict[str, str]) -> None:
+    """Requests of different prompts and budgets, steered or not, asking or not, share
+    decode steps (fewer steps than tokens); each reading equals the offline one."""
     asked = {"top_k": 6, "positions": "all"}
-    solo = chat(act_server, asked).json()
     steer = {"features": [{"index": 5, "strength": 8.0}]}
-    with ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(chat, act_server, asked if i % 2 == 0 else None, **({"steering": steer} if i in (1, 3) else {})) for i in range(6)]
-        results = [f.result() for f in futures]
+    prompts = ["Tell me a story about the sea.", "hi", "What is the capital of France? Answer in one word please.", "Count: 1, 2, 3"]
+
+    def send(i: int) -> httpx.Response:
+        body: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": prompts[i % 4]}], "max_tokens": 6 + 3 * i, "temperature": 0}
+        if i % 2 == 0:
+            body["return_sae_activations"] = asked
+        if i in (1, 2):
+            body["steering"] = steer
+        return httpx.post(act_server.base_url + "/v1/chat/completions", json=body, timeout=120)
+
+    before = scheduler_stats(act_server.base_url)
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(send, range(8)))
+    after = scheduler_stats(act_server.base_url)
+    tokens = sum(r.json()["usage"]["completion_tokens"] for r in results)
+    assert after["steps"] - before["steps"] < tokens  # rows shared steps
+    from safetensors.numpy import load_file
+
+    w_dec = load_file(str(pathlib.Path(sae_paths["reader"]) / "sae_weights.safetensors"))["W_dec"]
     for i, resp in enumerate(results):
         assert resp.status_code == 200, resp.text
         if i % 2 == 0:
-            body = resp.json()
-            assert body["choices"][0]["message"]["content"] == solo["choices"][0]["message"]["content"]
-            same_entries(body["millm"]["sae_activations"]["positions"], solo["millm"]["sae_activations"]["positions"])
+            delta = (8.0 * w_dec[5]).astype(np.float32) if i == 2 else None
+            messages = [{"role": "user", "content": prompts[i % 4]}]
+            want = expected(tiny_engine, sae_paths["reader"], "post_steering", 6, None, delta, messages=messages, max_tokens=6 + 3 * i)
+            listed = resp.json()["millm"]["sae_activations"]["positions"]
+            assert [e["position"] for e in listed] == sorted(want)
+            assert_matches(listed, want)
 
 
 def test_streaming_closes_with_activations_before_the_steering_chunk(act_server: Any) -> None:
@@ -254,6 +321,22 @@ def test_no_sae_attached_or_an_ambiguous_choice(make_server: Any, sae_paths: dic
         assert "(reader, layer 1)" in both.json()["error"]["message"] and "(other, layer 1)" in both.json()["error"]["message"]
         named = chat(srv, {"top_k": 2, "sae_id": "other"})
         assert named.status_code == 200 and named.json()["millm"]["sae_activations"]["sae_id"] == "other"
+
+
+def test_an_sae_attached_at_two_layers_is_read_at_the_layer_named(make_server: Any, sae_paths: dict[str, str], tiny_engine: Any) -> None:
+    with make_server() as srv:
+        assert httpx.post(srv.base_url + "/api/saes", json={"path": sae_paths["reader"], "id": "reader"}).status_code == 201
+        for layer in (0, LAYER):
+            assert httpx.post(srv.base_url + "/api/saes/reader/attach", json={"layer": layer}).status_code == 200
+        both = chat(srv, {"top_k": 2, "sae_id": "reader"})
+        assert both.status_code == 400 and both.json()["error"]["param"] == "return_sae_activations.layer"
+        assert "(reader, layer 0)" in both.json()["error"]["message"] and "(reader, layer 1)" in both.json()["error"]["message"]
+        named = chat(srv, {"top_k": 4, "sae_id": "reader", "layer": LAYER, "positions": "all"})
+        assert named.status_code == 200, named.text
+        assert named.json()["millm"]["sae_activations"]["layer"] == LAYER
+        assert_matches(named.json()["millm"]["sae_activations"]["positions"], expected(tiny_engine, sae_paths["reader"], "post_steering", 4, None, None))
+        missing = chat(srv, {"top_k": 2, "layer": 2})
+        assert missing.status_code == 400 and missing.json()["error"]["code"] == "sae_not_attached"
 
 
 def test_gguf_is_refused_before_anything_runs(gguf_server: Any) -> None:

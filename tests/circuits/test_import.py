@@ -221,3 +221,30 @@ def test_without_the_steering_plugin_circuit_writes_are_refused_by_name(make_ser
             ).status_code
             == 200
         )
+
+
+def test_without_the_steering_plugin_a_write_that_cannot_answer_changes_nothing(
+    make_server: Any, sae_paths: dict[str, str], tmp_path: Any
+) -> None:
+    """A circuit activated by a server with steering, then the same database served without
+    it: deactivating or turning the dial is refused (409 steering_disabled), and being
+    refused, leaves the circuit as it was (it is never written and then reported as a
+    failure)."""
+    from millm_core.config import load_settings
+    from millm_core.server.app import build_host
+
+    db = str(tmp_path / "millm.db")
+    with make_server(db=db) as first:
+        setup_saes(first.base_url, sae_paths)
+        circuit = imported(first.base_url, base(), activate=True)
+    host = build_host(load_settings({"plugins": ("sampling", "circuits")}, environ={}))
+    with make_server(host=host, db=db) as second:
+        writes: tuple[tuple[str, str, dict[str, Any]], ...] = (
+            ("POST", f"/api/circuits/{circuit['id']}/deactivate", {}),
+            ("PUT", "/api/circuits/active/intensity", {"intensity": 0.5}),
+        )
+        for method, path, body in writes:
+            resp = httpx.request(method, second.base_url + path, json=body)
+            assert (resp.status_code, resp.json()["error"]["code"]) == (409, "steering_disabled"), (path, resp.text)
+        [kept] = httpx.get(second.base_url + "/api/circuits").json()["data"]
+        assert (kept["active"], kept["intensity"]) == (True, 1.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pathlib
 import sqlite3
+from typing import Any
 
 import httpx
 
@@ -83,3 +84,34 @@ def test_two_servers_on_one_database_see_each_others_circuit_writes(make_server,
         assert members(chat(two.base_url).headers["x-millm-steering"])[0][1]["id"] == circuit["id"]
         httpx.post(two.base_url + f"/api/circuits/{circuit['id']}/deactivate", json={})
         assert httpx.get(one.base_url + "/api/circuits/active").json()["active"] == []
+
+
+def test_a_stored_rung_off_this_servers_ladder_is_unreadable_not_a_500(
+    make_server: Any, tiny_engine: Any, sae_paths: dict[str, str], tmp_path: pathlib.Path
+) -> None:
+    """A definition that decodes but carries a rung this server has no phrase for (what a
+    newer millm with a longer ladder could store) is reported unreadable like any other:
+    the routes answer, and no request is described with a phrase the server made up."""
+    import msgspec
+
+    db = str(tmp_path / "millm.db")
+    with make_server(db=db) as first:
+        setup_saes(first.base_url, sae_paths)
+        circuit = imported(first.base_url, document("newer", {0: ("alpha", A0), 1: ("beta", B1)}, rungs=[3]), activate=True)
+    with sqlite3.connect(db) as conn:
+        (body,) = conn.execute("SELECT body FROM circuits WHERE id = ?", (circuit["id"],)).fetchone()
+        stored = msgspec.msgpack.decode(body)
+        stored["rung"] = 4
+        stored["edges"][0]["rung"] = 4
+        conn.execute("UPDATE circuits SET body = ? WHERE id = ?", (msgspec.msgpack.encode(stored), circuit["id"]))
+    with make_server(db=db) as second:
+        listed = httpx.get(second.base_url + "/api/circuits")
+        assert listed.status_code == 200, listed.text
+        [row] = listed.json()["data"]
+        assert (row["status"], row["rung"], row["language"]) == ("unreadable", None, None) and "rung 4" in row["reason"]
+        assert httpx.get(second.base_url + f"/api/circuits/{circuit['id']}").status_code == 200
+        active = httpx.get(second.base_url + "/api/circuits/active")
+        assert active.status_code == 200 and active.json()["active"][0]["steering"]["reason"] == "definition_unreadable"
+        resp = chat(second.base_url)
+        assert "x-millm-circuit-rung" not in resp.headers
+        assert members(resp.headers["x-millm-steering"]) == [("unknown", {"reason": "claims_unreadable"})]

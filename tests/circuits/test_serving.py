@@ -314,3 +314,66 @@ def test_an_operator_write_during_a_request_is_reported_changed(srv) -> None:  #
     assert httpx.post(srv.base_url + f"/api/circuits/{circuit['id']}/activate", json={}).json()["epoch"] == epoch
     assert httpx.post(srv.base_url + f"/api/circuits/{circuit['id']}/deactivate", json={}).json()["epoch"] == epoch + 1
     assert httpx.delete(srv.base_url + f"/api/circuits/{circuit['id']}", headers=JSON).status_code == 200
+
+
+def _across_a_write(base_url: str, write: Any) -> httpx.Response:
+    """A long text completion with no steering fields, and ``write()`` (an operator write,
+    returning its response) made while it runs: the completion's response."""
+    body = {"model": "tiny", "prompt": "The sea", "max_tokens": 400, "n": 6, "temperature": 1.0, "seed": 1}
+    result: dict[str, Any] = {}
+
+    def long_request() -> None:
+        result["long"] = httpx.post(base_url + "/v1/completions", json=body, timeout=120)
+        result["done"] = time.monotonic()
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    time.sleep(0.3)  # admitted (its steering decided) well before the write
+    done = write()
+    assert done.status_code in (200, 201), done.text
+    written = time.monotonic()
+    worker.join(120)
+    assert result["done"] > written, "the request must outlast the write for this test to mean anything"
+    long: httpx.Response = result["long"]
+    return long
+
+
+def test_activating_a_circuit_during_a_request_that_ran_without_one_is_reported_changed(srv) -> None:  # type: ignore[no-untyped-def]
+    """The circuits epoch moved while the request ran: it ran unsteered (``none``), and the
+    report says an operator changed the steering meanwhile, as it does for a profile
+    activated mid-request."""
+    circuit = imported(srv.base_url, two_layer())
+    long = _across_a_write(srv.base_url, lambda: httpx.post(srv.base_url + f"/api/circuits/{circuit['id']}/activate", json={}))
+    assert members(long.headers["x-millm-steering"]) == [("none", {"changed": True})]
+    assert "x-millm-circuit-rung" not in long.headers  # decided before the write: no circuit ran
+    assert members(chat(srv.base_url).headers["x-millm-steering"]) == [("circuit", {"id": circuit["id"], "intensity": "1.0"})]
+
+
+def test_a_write_to_the_backing_cluster_during_a_slice_fallback_request_is_reported_changed(srv) -> None:  # type: ignore[no-untyped-def]
+    """In slice_fallback the backing cluster's own dial decides what the circuit applies;
+    turning it mid-request changes the steering without moving either epoch."""
+    cluster = {"name": "calm", "sae": {"layer": 0, "n_features": 48}, "members": [{"feature_idx": 5, "strength": 2.0}]}
+    assert httpx.post(srv.base_url + "/api/clusters/import", json=cluster).status_code == 201
+    imported(srv.base_url, document("wide", {0: ("alpha", A0), 1: ("gamma", B1)}, backing_cluster="calm"), activate=True)
+    long = _across_a_write(srv.base_url, lambda: httpx.put(srv.base_url + "/api/clusters/calm/intensity", json={"intensity": 0.5}))
+    [(kind, params)] = members(long.headers["x-millm-steering"])
+    assert (kind, params["name"], params["intensity"], params.get("changed")) == ("profile", "calm", "1.0", True)  # what ran
+    [(_, after)] = members(chat(srv.base_url).headers["x-millm-steering"])
+    assert (after["intensity"], "changed" in after) == ("0.5", False)
+
+
+def test_a_circuit_and_manual_values_at_one_layer_add_up(srv, tiny_engine, sae_paths: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
+    """The shared-layer case the test above names but does not reach: the circuit's vector and
+    the manual values' vector are summed at layer 0, neither replacing the other."""
+    circuit = imported(srv.base_url, two_layer(), activate=True)
+    manual = [(9, 5.0)]
+    put = httpx.put(srv.base_url + "/api/steering", json={"sae_id": "alpha", "features": [{"index": i, "strength": s} for i, s in manual]})
+    assert put.status_code == 200, put.text
+    resp = chat(srv.base_url)
+    summed = reference(tiny_engine, {0: [(sae_paths["alpha"], manual), (sae_paths["alpha"], A0)], 1: (sae_paths["beta"], B1)})
+    assert content(resp) == summed
+    assert summed != reference(tiny_engine, {0: (sae_paths["alpha"], A0), 1: (sae_paths["beta"], B1)})  # the manual values matter
+    assert members(resp.headers["x-millm-steering"]) == [
+        ("circuit", {"id": circuit["id"], "intensity": "1.0"}),
+        ("manual", {"sae": "alpha", "layer": 0, "features": 1, "hash": spec_hash("alpha", manual)}),
+    ]

@@ -51,14 +51,35 @@ def test_jumprelu_and_topk(tmp_path: pathlib.Path) -> None:
     w = arrays()
     x = np.random.default_rng(2).normal(size=(4, D_IN)).astype(np.float32)
     pre = x @ w["W_enc"] + w["b_enc"]
-    jump = load_sae(saelens(tmp_path / "j", "jumprelu"))
+    jump = load_sae(saelens(tmp_path / "j", "jumprelu", apply_b_dec_to_input=False))
     assert np.allclose(jump.encode(x), np.where(pre > w["threshold"], pre, 0), atol=1e-5)
-    topk = load_sae(saelens(tmp_path / "t", "topk", k=3))
+    topk = load_sae(saelens(tmp_path / "t", "topk", k=3, apply_b_dec_to_input=False))
     acts = topk.encode(x)
     assert ((acts > 0).sum(axis=-1) <= 3).all()
     for row in range(4):
         best = np.argsort(-np.maximum(pre[row], 0))[:3]
         assert np.allclose(acts[row][best], np.maximum(pre[row][best], 0), atol=1e-5)
+
+
+def test_saelens_defaults_and_a_negative_jumprelu_threshold(tmp_path: pathlib.Path) -> None:
+    """SAELens' SAEConfig subtracts b_dec by default, and its JumpReLU is
+    ReLU(pre) · (pre > threshold): a negative threshold never lets a negative value out."""
+    w = arrays()
+    folder = tmp_path / "neg"
+    folder.mkdir()
+    w["threshold"] = np.full(D_SAE, -0.5, np.float32)
+    save_file(w, str(folder / "sae_weights.safetensors"))
+    (folder / "cfg.json").write_text(json.dumps({"d_in": D_IN, "d_sae": D_SAE, "architecture": "jumprelu"}))
+    sae = load_sae(str(folder))
+    assert sae.apply_b_dec_to_input
+    x = np.random.default_rng(3).normal(size=(5, D_IN)).astype(np.float32)
+    pre = (x - w["b_dec"]) @ w["W_enc"] + w["b_enc"]
+    assert (pre < 0).any() and (pre > -0.5).any()  # the case that matters is present
+    expected = np.maximum(pre, 0) * (pre > -0.5)
+    assert np.allclose(sae.encode(x), expected, atol=1e-5)
+    assert sae.encode_refusal is None
+    normalised = load_sae(saelens(tmp_path / "n", "standard", normalize_activations="expected_average_only_in"))
+    assert normalised.encode_refusal is not None and "normalize_activations" in normalised.encode_refusal
 
 
 def test_gemma_scope_npz(tmp_path: pathlib.Path) -> None:
