@@ -50,6 +50,7 @@ bench: $(VENV)/.dev
 	$(PY) bench/bench_circuits.py
 	$(PY) bench/bench_activations.py
 	$(PY) bench/bench_attack.py
+	$(PY) bench/bench_probes.py
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check millm_core millm_engines millm_plugins
@@ -59,6 +60,7 @@ lint: $(VENV)/.dev
 schemas: $(VENV)/.base
 	$(PY) -m millm_core.openapi docs/schemas/openapi.json
 	$(PY) -m millm_plugins.scoring.published docs/schemas/millm-scoring-api-v1.json
+	$(PY) -m millm_plugins.probes.published docs/schemas
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

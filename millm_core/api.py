@@ -106,7 +106,7 @@ from .pipeline_types import (
     Reply,
     RowInfo,
 )
-from .prompts import prompt_ids, refuse_empty
+from .prompts import prompt_ids, refuse_empty, with_opening
 from .registry import ModelRegistry, ServedModel
 from .requestfields import RequestField, request_types_with
 from .rng import uniform
@@ -211,6 +211,7 @@ __all__ = [
     "model_endpoint",
     "parse_bool",
     "prompt_ids",
+    "with_opening",
     "read_json",
     "refuse_empty",
     "render_with_continuation",

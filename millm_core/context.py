@@ -109,6 +109,7 @@ class RequestContext:
     request_id: str
     endpoint: Endpoint
     settings: Settings
+    # The request's headers by lower-case name; a repeated header's values joined with ", ".
     headers: dict[str, str]
     app: AppContext
     stream: bool = False

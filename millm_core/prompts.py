@@ -41,7 +41,7 @@ def _unread_message_fields(request: ChatCompletionRequest, rendered: set[str]) -
     return unread
 
 
-def _with_opening(messages: list[dict[str, Any]], opening: str) -> list[dict[str, Any]]:
+def with_opening(messages: list[dict[str, Any]], opening: str) -> list[dict[str, Any]]:
     """The chat continued with ``opening``: appended to a trailing assistant message
     (a partial answer), else as a new one (see :mod:`millm_core.chatformat`)."""
     if not opening:
@@ -78,7 +78,7 @@ def prompt_ids(
         if adjust is not None:
             adjust(chat)
         ctx.ignored_fields.extend(_unread_message_fields(request, chat.rendered_fields))
-        messages = _with_opening(chat.messages, chat.opening)
+        messages = with_opening(chat.messages, chat.opening)
         if chat.tools is not None:
             return [engine.render_chat(messages, tools=chat.tools, **chat.template_kwargs)]
         return [engine.render_chat(messages, **chat.template_kwargs)]

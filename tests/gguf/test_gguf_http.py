@@ -81,7 +81,7 @@ def test_refusals_name_the_field(gguf_server, field: str, value: Any) -> None:  
     assert error["code"] == "field_not_honoured" and field in error["message"]
     assert error["param"] == ("logprobs" if field == "top_logprobs" else field)  # the first refused field of the request
     # The message says why: the capability the engine lacks, or that nothing declares the field.
-    why = {"tools": "takes no tools", "return_sae_activations": "no enabled plugin"}
+    why = {"tools": "takes no tools"}
     assert why.get(field, "the llama.cpp engine lacks the capability") in error["message"], error["message"]
 
 

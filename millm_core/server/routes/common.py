@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
 import structlog
@@ -86,7 +86,7 @@ async def decode_request(request: Request, endpoint: Endpoint) -> Admission:
         request_id=request.scope.get("state", {}).get("request_id") or mint_request_id(),
         endpoint=endpoint,
         settings=state.settings,
-        headers={k.lower(): v for k, v in request.headers.items()},
+        headers=joined_headers(request.headers.items()),
         app=state.app,
         stream=bool(getattr(decoded, "stream", False)),
         access_log=request.scope.setdefault("state", {}),
@@ -192,3 +192,13 @@ def model_endpoint(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response
 
     endpoint_handler.__name__ = endpoint.replace(".", "_")
     return endpoint_handler
+
+
+def joined_headers(items: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """Request headers by lower-case name; a repeated header's values joined with ", "
+    in order (RFC 9110 §5.3), so a plugin can tell a repeated header from a single one."""
+    headers: dict[str, str] = {}
+    for name, value in items:
+        key = name.lower()
+        headers[key] = f"{headers[key]}, {value}" if key in headers else value
+    return headers
