@@ -28,10 +28,12 @@ from millm_core.api import (
     Tap,
     hookimpl,
 )
+from millm_plugins.scoring.contrib import readers
 from millm_plugins.steering.api import STATE
 
 from .collect import Collector
 from .fields import FIELD, MAX_ENTRIES, MAX_TOP_K, ReturnSAEActivations
+from .scoring import SCORED, ScoringActivations
 from .select import Selected, check_model, check_size, select, shape_problems
 
 KEY = "millm"  # the response's top-level object
@@ -50,6 +52,12 @@ def _select(app: AppContext, asked: ReturnSAEActivations) -> Selected:
 def millm_register_settings(register: Callable[[PluginSetting[Any]], None]) -> None:
     register(MAX_TOP_K)
     register(MAX_ENTRIES)
+
+
+@hookimpl
+def millm_startup(app: AppContext) -> None:
+    """Read scoring requests' prompts too (the scoring plugin's reader extension)."""
+    readers(app).append(ScoringActivations(_select))
 
 
 @hookimpl
@@ -92,9 +100,15 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
 
 @hookimpl
 def millm_finalize(ctx: RequestContext, request: Any, outcome: Outcome, out: Finalization) -> None:
-    collectors = ctx.stash.get(COLLECTORS, [])
-    if not collectors or outcome.cancelled or outcome.kind != "generation":
+    if outcome.cancelled:
+        return
+    read: dict[str, Any] | None
+    if outcome.kind == "scoring":
+        read = ctx.stash[SCORED] if SCORED in ctx.stash else None
+    else:
+        collectors = ctx.stash.get(COLLECTORS, [])
+        read = collectors[0].result() if collectors and outcome.kind == "generation" else None
+    if read is None:
         return
     existing = out.extensions.get(KEY)
-    value = {**(existing if isinstance(existing, dict) else {}), "sae_activations": collectors[0].result()}
-    out.extend(KEY, value, order=CLOSING_ORDER)
+    out.extend(KEY, {**(existing if isinstance(existing, dict) else {}), "sae_activations": read}, order=CLOSING_ORDER)

@@ -33,6 +33,7 @@ from millm_core.api import (
     refuse_empty,
 )
 
+from .contrib import readers
 from .logprobs import score_row
 from .schema import (
     FIELDS,
@@ -57,7 +58,7 @@ MAX_ALTERNATIVES = 20
 MIN_TEMPERATURE = 0.001
 # Fields that cannot change a scored answer; sent with a scoring request they are reported.
 INERT_WHEN_SCORING = ("top_p", "top_k", "stop", "frequency_penalty", "presence_penalty")
-NEVER_WHEN_SCORING = ("profile", "steering_intensity", "steering", "response_format", "tools", "tool_choice", "return_sae_activations")
+NEVER_WHEN_SCORING = ("profile", "steering_intensity", "steering", "response_format", "tools", "tool_choice")
 SCORING_KEY_PREFIX = "token_id:"
 
 
@@ -207,7 +208,10 @@ async def _score(ctx: RequestContext, request: Any, model: ServedModel, prompts:
     precision = PRECISION.get(request)
     float32 = precision == "float32"
     device, headroom = DEVICE.get(ctx.settings), HEADROOM.get(ctx.settings)
+    reads = [work for reader in readers(ctx.app) if (work := reader.prepare(ctx, request, model, prompts)) is not None]
     logits = await ctx.app.run_model(lambda: engine.next_token_logits(prompts, float32=float32, float32_device=device, headroom_mb=headroom))
+    for work in reads:
+        await ctx.app.run_model(work)
     temperature = float(request.temperature) if _sent(request.temperature) else 0.0
     by_id = getattr(request, "return_tokens_as_token_ids", None) is True
     if chat:

@@ -350,7 +350,23 @@ def gguf_server_model(srv: Any) -> str:
     return str(httpx.get(srv.base_url + "/v1/models").json()["data"][0]["id"])
 
 
-def test_a_scoring_request_is_refused_naming_the_field(act_server: Any) -> None:
-    resp = chat(act_server, {"top_k": 2}, logprobs=True, max_tokens=1)
-    assert resp.status_code == 400, resp.text
-    assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == ("return_sae_activations", "field_not_honoured")
+def test_a_scoring_request_reads_its_prompt_unsteered(act_server: Any, tiny_engine: Any, sae_paths: dict[str, str]) -> None:
+    """Scoring mode: the prompt's positions from an unsteered pass (manual steering is live
+    on the server meanwhile), reported as ``unsteered``, with ``X-miLLM-Steering: none``."""
+    put = httpx.put(act_server.base_url + "/api/steering", json={"features": [{"index": 5, "strength": 9.0}]})
+    assert put.status_code == 200, put.text
+    try:
+        resp = chat(act_server, {"top_k": 4, "positions": "all"}, logprobs=True, max_tokens=1)
+        last = chat(act_server, {"top_k": 4, "positions": "last"}, logprobs=True, max_tokens=1)
+    finally:
+        httpx.put(act_server.base_url + "/api/steering", json={"features": []})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-millm-steering"] == "none"
+    read = resp.json()["millm"]["sae_activations"]
+    assert read["read_point"] == "unsteered" and "unsteered" in read["note"]
+    prompt = prompt_ids(tiny_engine)
+    acts = reference_encode(sae_paths["reader"], hooked_residuals(tiny_engine, prompt, None)["post_steering"])
+    want = {p: (prompt[p], sorted(((int(i), float(row[i])) for i in np.flatnonzero(row)), key=lambda iv: (-iv[1], iv[0]))[:4]) for p, row in enumerate(acts)}
+    assert [e["position"] for e in read["positions"]] == list(range(len(prompt)))
+    assert_matches(read["positions"], want)
+    assert [e["position"] for e in last.json()["millm"]["sae_activations"]["positions"]] == [len(prompt) - 1]
