@@ -65,6 +65,11 @@ class Job(_Queued):
     drivers: list[RowDriver]
     emit: Callable[[JobEvent], None]
     request_id: str = ""
+    # The scheduling lane: "interactive" (default) or "agent" (served after interactive
+    # work, never starved: see Scheduler.lane_passes). ``passed`` counts the times
+    # interactive work was served ahead of this agent job.
+    lane: str = "interactive"
+    passed: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Set by the scheduler on submit: takes a job cancelled while queued out of the queue at once.
     on_cancel: Callable[[Job], None] | None = field(default=None, repr=False)

@@ -65,6 +65,9 @@ class ForwardPlan:
     processor_factories: list[ProcessorFactory] = field(default_factory=list)
     # layer -> vector added to that block's output for this request's rows (steering).
     deltas: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    # The scheduling lane: "interactive" (default) or "agent", served after interactive
+    # work and never starved (a plugin sets it; see the lanes plugin).
+    lane: str = "interactive"
     # The token count of each of the request's prompts (known before pre-forward).
     prompt_lengths: tuple[int, ...] = ()
     # Where this request's rows are read back (engines with Capability.TAPS): a plugin

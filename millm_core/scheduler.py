@@ -71,6 +71,8 @@ __all__ = [
 
 log = structlog.get_logger("millm.scheduler")
 
+AGENT = "agent"  # the lower-priority lane (Job.lane); everything else is interactive
+
 R = TypeVar("R")
 
 
@@ -91,6 +93,9 @@ class Scheduler:
     """FIFO admission with a bounded queue; ``submit`` and ``call`` never block."""
 
     max_overtakes = 32  # later jobs that may join the running batch ahead of a waiting job
+    # Interactive work served ahead of a waiting agent job before that job is served in
+    # its arrival place, as if interactive: the agent lane is never starved.
+    lane_passes = 8
 
     def __init__(self, max_queue: int, observe_step: Callable[[float], None] | None = None) -> None:
         self._max_queue = max_queue
@@ -199,6 +204,25 @@ class Scheduler:
         self.stats.queued -= 1
         return True
 
+    def _served_order(self, waiting: list[Job | Call]) -> list[Job | Call]:
+        """Waiting items in the order they are served: model calls, interactive jobs and
+        agent jobs passed ``lane_passes`` times, in arrival order; then the other agent
+        jobs, in arrival order."""
+        late = [i for i in waiting if isinstance(i, Job) and i.lane == AGENT and i.passed < self.lane_passes]
+        if not late:
+            return waiting
+        later = {id(i) for i in late}
+        return [i for i in waiting if id(i) not in later] + late
+
+    def _pass_agents(self, served: Job | Call) -> None:
+        """``served`` goes ahead of the agent jobs that arrived before it: count it for
+        each of them (under the lock)."""
+        for item in self._waiting:
+            if item is served:
+                return
+            if isinstance(item, Job) and item.lane == AGENT:
+                item.passed += 1
+
     def _withdraw(self, item: Job | Call) -> None:
         """A job cancelled or a call's future cancelled: out of the queue now, if it is
         still there (otherwise the worker handles it between steps)."""
@@ -219,7 +243,8 @@ class Scheduler:
                 self._wakeup.wait()
             if self._stopping:
                 return None
-            item = self._waiting[0]
+            item = self._served_order(list(self._waiting))[0]
+            self._pass_agents(item)
             self._claim_locked(item)
         if idle:
             self._clock.busy()
@@ -287,7 +312,7 @@ class Scheduler:
         place without holding back the jobs behind it, until it has been overtaken
         :attr:`max_overtakes` times: then no later job joins, and the batch drains."""
         with self._lock:
-            waiting = list(self._waiting)
+            waiting = self._served_order(list(self._waiting))
         blocked: list[Job] = []
         starving = False  # a blocked job was overtaken enough: nothing joins ahead of it
         for item in waiting:
@@ -299,8 +324,11 @@ class Scheduler:
                 blocked.append(item)
                 starving = starving or item.overtaken >= self.max_overtakes
                 continue
-            if not self._claim(item):
-                continue  # cancelled meanwhile: _withdraw ended it
+            with self._lock:
+                if not item.queued:
+                    continue  # cancelled meanwhile: _withdraw ended it
+                self._pass_agents(item)
+                self._claim_locked(item)
             try:
                 joinable.join(batch, item.rows)
             except Exception as exc:  # noqa: BLE001 - this job's error, not the batch's

@@ -264,6 +264,7 @@ def submit(state: AppState, prepared: Prepared) -> RunHandle:
         drivers=drivers,
         emit=threadsafe_emitter(asyncio.get_running_loop(), queue),
         request_id=prepared.ctx.request_id,
+        lane=prepared.plan.lane,
     )
     state.scheduler.submit(job)
     return RunHandle(job=job, events=queue, rows=len(rows))

@@ -1,0 +1,1 @@
+"""Scheduling lanes: ``class`` (or an ``@agent`` model suffix) on generation requests."""
