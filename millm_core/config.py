@@ -47,6 +47,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # kernel's listen backlog, unaccepted, until an open one closes.
     max_connections: int = 512
     threads: int | None = None
+    # Force the batch-invariant path where an engine has a faster one that is not (the
+    # GGUF engine then decodes one sequence at a time); refused at load where none exists.
+    batch_invariant: bool = False
     # A Jinja chat template file served instead of the model's own (for example one that
     # takes tools), as vLLM's --chat-template.
     chat_template: str | None = None
@@ -115,6 +118,7 @@ PARSERS: Mapping[str, object] = {
     "max_inflight": int,
     "max_connections": int,
     "threads": _opt_int,
+    "batch_invariant": parse_bool,
     "chat_template": str,
     "cache_dir": str,
     "db": str,

@@ -207,7 +207,9 @@ class Engine(Protocol):
     torch and other heavy libraries are imported only there.
 
     Optional attributes the core and plugins read when present: ``capacity`` (a
-    :class:`Capacity`: admission refuses what could never fit), ``refusals``
+    :class:`Capacity`: admission refuses what could never fit), ``batch_invariant``
+    (False when a row's tokens may depend on what shares its batch: reported in
+    ``X-miLLM-Backend``), ``refusals``
     (``{Capability: why it is missing}``, quoted in refusals) and ``chat_template`` (the
     Jinja source ``render_chat`` renders with, None without one: the tools plugin reads
     the call format off it)."""
@@ -254,8 +256,11 @@ class Engine(Protocol):
 def backend_of(engine: object) -> str:
     """``batched`` when concurrent requests share this engine's decode steps, else
     ``serial``. A :class:`Joinable` engine may say it does not join as loaded with a
-    ``batches_requests`` attribute (False)."""
-    return "batched" if isinstance(engine, Joinable) and getattr(engine, "batches_requests", True) else "serial"
+    ``batches_requests`` attribute (False). An engine whose rows' tokens may depend on
+    what shares their batch says so with ``batch_invariant = False``: the value then
+    carries ``;invariant=?0``."""
+    backend = "batched" if isinstance(engine, Joinable) and getattr(engine, "batches_requests", True) else "serial"
+    return backend if getattr(engine, "batch_invariant", True) else backend + ";invariant=?0"
 
 
 @runtime_checkable

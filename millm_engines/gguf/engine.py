@@ -150,6 +150,17 @@ class GGUFEngine:
 
     # ------------------------------------------------------------------ batches
 
+    @property
+    def batches_requests(self) -> bool:
+        """Whether concurrent requests share decode calls: with more than one sequence."""
+        return self.parallel > 1
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Only one sequence per decode call is: llama.cpp's kernels (and the unified KV
+        cache's cell placement) change a row's numerics with what shares the call."""
+        return self.parallel == 1
+
     def can_join(self, rows: Sequence[RowSpec]) -> bool:
         """Whether ``rows`` fit now: a free sequence each, and KV cells for their prompts
         and budgets beside the rows already running."""

@@ -23,7 +23,12 @@ def load_engine(location: ModelLocation, settings: Settings) -> GGUFEngine:
         # A GGUF file's precision is its quantization; nothing here could honour --dtype.
         raise ConfigError(f"--dtype {settings.dtype} cannot apply to a GGUF model: its precision is its quantization; leave --dtype auto")
     started = time.perf_counter()
-    parallel = PARALLEL.get(settings) or 1
+    # llama.cpp's kernels change with the number of sequences a decode call carries, so
+    # only one sequence at a time is batch-invariant (measured: SmolLM2 Q4_1, 8 identical
+    # greedy requests at once gave 2 different texts with 8 sequences, 1 with one).
+    parallel = 1 if settings.batch_invariant else PARALLEL.get(settings) or 1
+    if settings.batch_invariant and (PARALLEL.get(settings) or 1) > 1:
+        log.info("gguf_batch_invariant", parallel=1, note="--batch-invariant: one sequence at a time")
     embeddings = EMBEDDINGS.get(settings)
     threads = settings.threads or os.cpu_count() or 1
     probe = LlamaModel(location.path, n_ctx=256, n_seq_max=1, threads=threads, f32_kv=False)

@@ -223,6 +223,13 @@ class TransformersEngine:
         return batch.reads if batch.reads is not None else [None] * batch.size
 
     @property
+    def batch_invariant(self) -> bool:
+        """The lean decode step prefills each row alone and attends over each row's own
+        cache columns, in every dtype; the generic HF forward pads a request's rows
+        together, which only float32 leaves the tokens alone for."""
+        return self.fast is not None or next(self.model.parameters()).dtype == torch.float32
+
+    @property
     def batches_requests(self) -> bool:
         """Whether concurrent requests share decode steps: only on the lean decode step."""
         return self.fast is not None

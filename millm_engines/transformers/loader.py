@@ -99,4 +99,10 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
         fast_decode=fast is not None,
         fast_decode_reason=reason,
     )
-    return TransformersEngine(model, tokenizer, info, _eos_ids(tokenizer, path), fast=fast)
+    engine = TransformersEngine(model, tokenizer, info, _eos_ids(tokenizer, path), fast=fast)
+    if settings.batch_invariant and not engine.batch_invariant:
+        raise ConfigError(
+            f"--batch-invariant: '{info.served_name}' in {info.dtype} has no batch-invariant path here (the lean decode step "
+            f"is not available: {reason}); serve it with --dtype float32"
+        )
+    return engine

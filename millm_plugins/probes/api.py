@@ -131,10 +131,10 @@ async def _arm(request: Request, windows: list[Any], acknowledged: bool) -> Resp
     app = app_context(request)
     state = state_of(app)
     probe_id = request.path_params["probe_id"]
-    stored = state.book.get(probe_id)
+    state.book.get(probe_id)  # 404 at once; the gates read the document again under the lock
     limit, tolerance = int(MAX_ARMED.get(app.settings)), float(PARITY_TOLERANCE.get(app.settings))
 
-    async def gates() -> Arming:
+    async def gates(stored: Stored) -> Arming:
         return await run_gates(app, stored, set(state.book.arms), windows, acknowledged, limit, tolerance)
 
     await state.book.arm(probe_id, gates)

@@ -34,11 +34,11 @@ from millm_core.api import (
 
 from .api_events import ROUTES as EVENT_ROUTES
 from .book import Armed
-from .detector import Detector, identity_mismatches
+from .detector import Detector, identity_mismatches, score_tokens
 from .document import Window
 from .gates import resident
 from .results import Finding, ProbeResult, Served, ordered, result, scored
-from .saes import attached_sae
+from .saes import attached_sae, usable
 from .settings import MAX_ARMED, SCORE_MAX_INPUTS, SCORE_MAX_TOKENS
 from .state import ProbesState, state_of
 from .trace import trace_of
@@ -155,8 +155,27 @@ def _finding(det: Detector, window: Window, residual: np.ndarray, sae: Any | Non
     n = len(residual)
     span = span_of(window, n, n, where.span if where is not None else None)
     assert span is not None
-    z = det.features(residual[span[0] : span[1]], sae) @ det.w + det.b if span[1] > span[0] else np.zeros(0)
-    return scored(det.score(np.asarray(z, dtype=np.float64)), span)
+    return scored(score_tokens(det, residual, sae, span), span)
+
+
+Run = tuple[Armed, str | None, Any | None]  # a probe, why it is skipped (None: it runs), its SAE
+
+
+def _findings_at(engine: ResidualReader, layer: int, runs: list[Run], inputs: list[tuple[list[int], Placement | None]],
+                 chats: list[bool]) -> dict[tuple[int, int, str], Finding]:  # fmt: skip
+    """On the model thread: the findings of the probes reading ``layer``, by ``(input,
+    probe, window)``. Only this layer's residuals are held, and only scalars come back."""
+    residuals: list[Any] = list(engine.residuals([ids for ids, _ in inputs], layer))
+    out: dict[tuple[int, int, str], Finding] = {}
+    for index, ((_, where), is_chat) in enumerate(zip(inputs, chats, strict=True)):
+        residual = np.asarray(residuals[index])
+        residuals[index] = None  # let each input's vectors go once they are read
+        for number, (probe, skip, sae) in enumerate(runs):
+            det = probe.detector
+            if skip is None and det.layer == layer:
+                for window in probe.windows:
+                    out[(index, number, window)] = _finding(det, window, residual, sae, where, is_chat)
+    return out
 
 
 async def score(request: Request) -> Response:
@@ -190,32 +209,30 @@ async def _score(request: Request, body: ScoreRequest) -> Response:
             raise InvalidRequest(f"input {index} is {len(ids)} tokens; the model reads at most {model.info.context_length}",
                                  code="context_length_exceeded", param=f"inputs[{index}]")  # fmt: skip
     identity = state.identity(model)
-    runs: list[tuple[Armed, str | None, Any | None]] = []
+    runs: list[Run] = []
     for probe in probes:
         det = probe.detector
         sae = attached_sae(app, det.sae_id, det.layer) if det.basis == "sae_features" and det.sae_id else None
         skip = "model_mismatch" if identity_mismatches(det.identity, identity) else None
-        if skip is None and det.basis == "sae_features" and (sae is None or sae.d_sae != det.width):
+        if skip is None and det.basis == "sae_features" and not usable(sae, det.width):
             skip = "sae_not_attached"
         runs.append((probe, skip, sae))
     layers = sorted({p.detector.layer for p, skip, _ in runs if skip is None})
-    sequences = [ids for ids, _ in inputs]
-    residuals: dict[int, list[Any]] = await app.run_model(lambda: {layer: engine.residuals(sequences, layer) for layer in layers})
+    chats = [item.messages is not None for item in body.inputs]
+    findings: dict[tuple[int, int, str], Finding] = {}
+    for layer in layers:  # one layer at a time, scored on the model thread
+        findings.update(await app.run_model(lambda layer=layer: _findings_at(engine, layer, runs, inputs, chats)))  # type: ignore[misc]
     trace = trace_of({"traceparent": request.headers.getlist("traceparent")})
     request_id = str(getattr(request.state, "request_id", "") or "")
     results: list[ProbeResult] = []
-    for index, ((_, where), item) in enumerate(zip(inputs, body.inputs, strict=True)):
+    for index in range(len(inputs)):
         served = Served(request_id=request_id, endpoint="probes.score", model=model.info.served_name, engine=model.info.engine,
                         input=index, read_point="unsteered", steered_at_layer=False)  # fmt: skip
         found: list[ProbeResult] = []
-        for probe, skip, sae in runs:
-            det = probe.detector
+        for number, (probe, skip, _) in enumerate(runs):
             for window in probe.windows:
-                if skip is not None:
-                    finding = Finding("skipped", skip)
-                else:
-                    finding = _finding(det, window, np.asarray(residuals[det.layer][index]), sae, where, item.messages is not None)
-                found.append(result(det, window, finding, served, trace))
+                finding = Finding("skipped", skip) if skip is not None else findings[(index, number, window)]
+                found.append(result(probe.detector, window, finding, served, trace))
         results.extend(ordered(found))
     return json_response(ScoreResponse(model=model.info.served_name, data=results))
 

@@ -185,12 +185,13 @@ class ProbeBook:
 
             await self._write(remove, forget)
 
-    async def arm(self, probe_id: str, gates: Callable[[], Awaitable[Arming]]) -> Arming:
-        """Run ``gates`` (an async function returning the :class:`Arming`, or raising the
-        refusal) under the write lock, then persist the arming."""
+    async def arm(self, probe_id: str, gates: Callable[[Stored], Awaitable[Arming]]) -> Arming:
+        """Run ``gates`` (an async function of the stored probe returning the
+        :class:`Arming`, or raising the refusal) under the write lock, on the probe as it is
+        stored once the lock is held (a delete and re-import that came first is what the
+        gates check), then persist the arming."""
         async with self.writing:
-            self.get(probe_id)
-            arming = await gates()
+            arming = await gates(self.get(probe_id))
 
             def upsert(conn: sqlite3.Connection) -> None:
                 conn.execute(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,11 +83,61 @@ class Detector:
             return None
         return link(aggregate(logits, self.aggregation), self.link)
 
+    def linked(self, aggregated: float | None) -> float | None:
+        """The score of a window whose logits aggregated to ``aggregated`` (None: empty)."""
+        return None if aggregated is None else link(aggregated, self.link)
+
+
+ROWS = 256  # positions encoded and scored at a time
+_BLOCK = 1 << 21  # the most elements of one float64 copy (16 MiB)
+_SMALL = 1 << 16  # below this many elements a product is not worth torch's thread pool
+
+
+def slices(n: int, rows: int = ROWS) -> Iterator[slice]:
+    """``0 .. n`` in slices of at most ``rows`` positions."""
+    for start in range(0, n, rows):
+        yield slice(start, min(n, start + rows))
+
 
 def logits(features: np.ndarray, weights: np.ndarray, bias: np.ndarray) -> np.ndarray:
     """Per-position logits ``[n, P]`` of basis vectors ``[n, width]`` under ``P`` heads
-    (``weights [width, P]``, ``bias [P]``), in float64."""
-    return np.asarray(features, dtype=np.float64) @ weights + bias
+    (``weights [width, P]`` float64, ``bias [P]``), accumulated in float64. The features are
+    converted a column block at a time, so no float64 copy holds more than 2**21 values,
+    and the products run on torch's thread pool (this runs on the model thread)."""
+    x = np.asarray(features)
+    n, width = x.shape
+    step = max(1, _BLOCK // max(n, 1))
+    if step >= width:  # one block: the usual case (a decode step, a residual basis)
+        return _matmul64(x, weights) + bias
+    out = np.zeros((n, weights.shape[1]), dtype=np.float64)
+    for start in range(0, width, step):
+        out += _matmul64(x[:, start : start + step], weights[start : start + step])
+    return out + bias
+
+
+def _matmul64(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    x64 = np.ascontiguousarray(x, dtype=np.float64)
+    if x64.size < _SMALL:  # a decode step's few values: numpy, which stays on this thread, is quicker
+        return np.asarray(x64 @ w)
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency of millm
+        return np.asarray(x64 @ w)
+    with torch.inference_mode():
+        return (torch.from_numpy(x64) @ torch.from_numpy(np.ascontiguousarray(w, dtype=np.float64))).numpy()
+
+
+def position_logits(vectors: np.ndarray, sae: Any | None, weights: np.ndarray, bias: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """``(offset, logits [rows, P])`` of residual vectors ``[n, d_model]``, ``ROWS``
+    positions at a time (``sae``: encode each slice first), so that an SAE's activations
+    are never held for more than ``ROWS`` positions."""
+    if len(vectors) <= ROWS:
+        yield 0, logits(sae.encode(vectors) if sae is not None else vectors, weights, bias)
+        return
+    for part in slices(len(vectors)):
+        rows = vectors[part]
+        feats = sae.encode(rows) if sae is not None else rows
+        yield part.start, logits(feats, weights, bias)
 
 
 def aggregate(values: np.ndarray, how: str) -> float:
@@ -109,11 +159,14 @@ def link(value: float, kind: str) -> float:
 
 def score_tokens(detector: Detector, residual: np.ndarray, sae: Any | None, span: tuple[int, int] | None = None) -> float | None:
     """The score of residual vectors ``[n, d_model]`` read for one sequence, over
-    positions ``span`` (half-open; None: all of them)."""
-    feats = detector.features(residual, sae)
-    z = logits(feats, detector.w[:, None], np.array([detector.b]))[:, 0]
-    start, end = span if span is not None else (0, len(z))
-    return detector.score(z[start:end])
+    positions ``span`` (half-open; None: all of them). Only the span's positions are
+    encoded, ``ROWS`` at a time."""
+    start, end = span if span is not None else (0, len(residual))
+    own = sae if detector.basis == "sae_features" else None
+    assert detector.basis != "sae_features" or own is not None
+    weights, bias = detector.w[:, None], np.array([detector.b])
+    parts = [z[:, 0] for _, z in position_logits(residual[start:end], own, weights, bias)]
+    return detector.score(np.concatenate(parts) if parts else np.zeros(0))
 
 
 def template_sha256(template: str | None) -> str | None:

@@ -4,7 +4,10 @@ interrupted or errored), kept in SQLite for ``GET /api/probes/events``.
 Finalize runs on the event loop, so results are queued and written by one background task
 off the loop (``asyncio.to_thread``), in batches; a read first waits for the queued writes,
 so a request's results can be read as soon as its response ended. After each batch the
-oldest events past ``probes_events_max`` are deleted. Scoring and embeddings requests record
+oldest events past ``probes_events_max`` are deleted. The queue holds at most
+``PENDING_MAX`` results: when the database falls that far behind, the oldest queued ones
+are dropped (and the log says how many). At shutdown (:meth:`EventLog.close`, from the
+plugin's ``millm_shutdown``) what is still queued is written before the database closes. Scoring and embeddings requests record
 nothing (their prompts are not user traffic).
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +30,7 @@ from .results import ProbeResult
 log = structlog.get_logger("millm.probes")
 
 _decode = msgspec.json.Decoder(ProbeResult)
+PENDING_MAX = 10_000
 
 
 @dataclass
@@ -35,41 +40,72 @@ class EventLog:
 
     store: Store
     keep: int
+    pending_max: int = PENDING_MAX
     pending: list[ProbeResult] = field(default_factory=list)
     writer: asyncio.Task[None] | None = None
+    dropped: int = 0
+    closed: bool = False
+    # ``queue`` guards ``pending`` (held for moments, also on the loop); ``writing`` is held
+    # while a batch is taken and written, so that close() waits for a write under way.
+    queue: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    writing: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(self, results: Sequence[ProbeResult]) -> None:
         """Queue ``results`` for writing (from the event loop, or written at once when no
-        loop runs)."""
+        loop runs); past ``pending_max`` queued, the oldest are dropped."""
         if not results:
             return
-        self.pending.extend(results)
+        with self.queue:
+            self.pending.extend(results)
+            excess = len(self.pending) - self.pending_max
+            if excess > 0:
+                del self.pending[:excess]
+                self.dropped += excess
+        if excess > 0:
+            log.warning("probe_events_dropped", count=excess, total=self.dropped, queued=self.pending_max)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            self._flush_now()
+            self._write_pending()
             return
         if self.writer is None or self.writer.done():
             self.writer = loop.create_task(self._drain(), name="millm-probe-events")
 
-    def _flush_now(self) -> None:
-        batch, self.pending = self.pending, []
-        self._write(batch)
-
-    async def _drain(self) -> None:
-        while self.pending:
+    def _take(self) -> list[ProbeResult]:
+        with self.queue:
             batch, self.pending = self.pending, []
+        return batch
+
+    def _write_pending(self) -> None:
+        """Take what is queued and write it (blocking; never after :meth:`close`)."""
+        with self.writing:
+            if self.closed:
+                return
+            batch = self._take()
+            if not batch:
+                return
             try:
-                await asyncio.to_thread(self._write, batch)
+                self._write(batch)
             except MillmError as exc:  # database_busy: these results are lost, and the log says so
                 log.warning("probe_events_not_written", count=len(batch), error=exc.message)
             except Exception:  # noqa: BLE001 - a failed write must not stop later ones
                 log.exception("probe_events_not_written", count=len(batch))
 
+    async def _drain(self) -> None:
+        while self.pending and not self.closed:
+            await asyncio.to_thread(self._write_pending)
+
     async def flushed(self) -> None:
         """Wait until every queued result is written."""
         while self.writer is not None and not self.writer.done():
             await asyncio.shield(self.writer)
+
+    def close(self) -> None:
+        """Write what is still queued, then write nothing more (blocking: at shutdown, after
+        the last request; a write under way in the writer's thread is waited for)."""
+        self._write_pending()
+        with self.writing:
+            self.closed = True
 
     def _write(self, batch: Sequence[ProbeResult]) -> None:
         rows = [(r.result_id, r.probe.id, r.served.request_id, r.trace_id, r.outcome, r.created, msgspec.json.encode(r)) for r in batch]

@@ -7,9 +7,11 @@
    the document's;
 3. ``evidence``: rung 2 or more, or ``acknowledge_below_rung2``;
 4. ``basis``: a ``sae_features`` probe's SAE is attached (and usable) at the probe's
-   layer, with as many features as the head has weights;
+   layer, with as many features as the head has weights, and millm encodes it faithfully
+   (no input normalisation it does not apply: ``SAE.encode_refusal``);
 5. ``parity``: every test vector, re-scored on this server (window ``all``, unsteered),
-   is within the tolerance of its expected score (and there is at least one).
+   is within the tolerance of its expected score (and there is at least one). The
+   vectors are read and scored on the model thread; only their scores come back.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from millm_core.api import AppContext, MillmError, ModelNotLoaded, ResidualReade
 from .book import Arming, ParityReport, Stored, VectorCheck
 from .detector import identity_mismatches, identity_of, score_tokens
 from .document import Window
-from .saes import attached_sae
+from .saes import attached_sae, encode_refusal
 
 GATE_HEADER = "X-miLLM-Probe-Gate"
 GATES = ("limit", "model_identity", "evidence", "basis", "parity")
@@ -91,6 +93,9 @@ def check_basis(app: AppContext, stored: Stored) -> Any | None:
         raise GateRefused("basis", f"SAE {det.sae_id!r} is not attached (and usable) at layer {det.layer}", param="basis.sae_id")
     if sae.d_sae != det.width:
         raise GateRefused("basis", f"SAE {det.sae_id!r} has {sae.d_sae} features; the head has {det.width} weights", param="head.weights")
+    refusal = encode_refusal(sae)
+    if refusal is not None:
+        raise GateRefused("basis", f"SAE {det.sae_id!r} cannot be read faithfully: {refusal}", param="basis.sae_id")
     return sae
 
 
@@ -107,11 +112,19 @@ async def check_parity(app: AppContext, stored: Stored, model: ServedModel, sae:
                               param=f"test_vectors[{index}].token_ids")  # fmt: skip
         if len(vector.token_ids) > model.info.context_length:
             raise GateRefused("parity", f"test vector {index} is longer than the model's context", param=f"test_vectors[{index}].token_ids")
-    layer = stored.detector.layer
-    residuals = await app.run_model(lambda: engine.residuals([v.token_ids for v in vectors], layer))
+    detector, layer = stored.detector, stored.detector.layer
+
+    def rescore() -> list[float | None]:  # on the model thread, one vector after another; only scores come back
+        residuals = list(engine.residuals([v.token_ids for v in vectors], layer))
+        scores: list[float | None] = []
+        for index in range(len(residuals)):
+            residual, residuals[index] = np.asarray(residuals[index]), None
+            scores.append(score_tokens(detector, residual, sae))
+        return scores
+
+    scores = await app.run_model(rescore)
     checks: list[VectorCheck] = []
-    for index, (vector, residual) in enumerate(zip(vectors, residuals, strict=True)):
-        got = score_tokens(stored.detector, np.asarray(residual), sae)
+    for index, (vector, got) in enumerate(zip(vectors, scores, strict=True)):
         error = abs(got - vector.expected) if got is not None and math.isfinite(got) else None
         ok = error is not None and error <= tolerance
         checks.append(VectorCheck(index=index, tokens=len(vector.token_ids), expected=vector.expected, got=got, abs_error=error, ok=ok))

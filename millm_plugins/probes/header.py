@@ -9,6 +9,10 @@ RFC 8941's 12 integer digits), ``threshold``? (Decimal, the same way), ``choice`
 (Integer). For example::
 
     "honesty";id="honesty-1f2e3d4c";window=response;outcome=scored;reason=ok;verdict=flagged;score=0.912;threshold=0.5
+
+The value is at most ``MAX_BYTES`` (4 KiB): when the members do not fit, the first ones
+that do are sent, then a Token member ``omitted`` whose ``count`` says how many were left
+out (``omitted;count=12``). The body's ``millm_probe_verdicts`` is always complete.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Sequence
 from .results import ProbeResult
 
 NAME = "X-miLLM-Probe-Verdicts"
+MAX_BYTES = 4096
 _MAX_DECIMAL = 1e12
 
 
@@ -55,7 +60,20 @@ def member(result: ProbeResult, with_choice: bool) -> str:
     return ";".join([sf_string(result.name), *params])
 
 
-def value(results: Sequence[ProbeResult]) -> str:
-    """The header's value for ``results`` (already in order)."""
+def value(results: Sequence[ProbeResult], limit: int = MAX_BYTES) -> str:
+    """The header's value for ``results`` (already in order), at most ``limit`` bytes:
+    past it, the members that fit and ``omitted;count=N``."""
     with_choice = len({r.served.choice for r in results}) > 1
-    return ", ".join(member(r, with_choice) for r in results)
+    members = [member(r, with_choice) for r in results]  # printable ASCII: a character is a byte
+    whole = ", ".join(members)
+    if len(whole) <= limit:
+        return whole
+    kept, size = 0, 0
+    for text in members:
+        grown = size + (2 if kept else 0) + len(text)
+        tail = f"omitted;count={len(members) - kept - 1}"
+        if grown + 2 + len(tail) > limit:
+            break
+        kept, size = kept + 1, grown
+    tail = f"omitted;count={len(members) - kept}"
+    return ", ".join([*members[:kept], tail])

@@ -18,7 +18,7 @@ from .book import Armed
 from .detector import identity_mismatches
 from .monitor import Entry, Monitor, build_groups
 from .results import Finding, ProbeResult, Served, result
-from .saes import attached_sae
+from .saes import attached_sae, usable
 from .state import ProbesState
 from .trace import Trace, trace_of
 from .windows import Placement, place
@@ -57,7 +57,7 @@ def _skip(state: ProbesState, ctx: RequestContext, model: ServedModel, armed: Ar
         return None, None
     assert det.sae_id is not None
     sae = attached_sae(ctx.app, det.sae_id, det.layer)
-    if sae is None or sae.d_sae != det.width:
+    if not usable(sae, det.width):  # detached, resized, or not encoded faithfully since arming
         return "sae_not_attached", None
     return None, sae
 

@@ -32,6 +32,7 @@ from millm_core.api import (
     hookimpl,
     with_opening,
 )
+from millm_plugins.scoring.plugin import is_scoring
 
 from . import api, api_score, header
 from .book import ProbeBook
@@ -70,11 +71,19 @@ def millm_startup(app: AppContext) -> None:
     )
 
 
+@hookimpl
+def millm_shutdown(app: AppContext) -> None:
+    """Write the probe results still queued for the events log before the database closes."""
+    if STATE in app.stash:
+        state_of(app).events.close()
+
+
 @hookimpl(trylast=True)
 def millm_render_chat(ctx: RequestContext, request: Any, model: ServedModel, chat: ChatRender) -> None:
     """Render the chat again with the last user message emptied, to place ``last_user``
-    (last, so that every other plugin's changes are in; only while such a window is armed)."""
-    if STATE not in ctx.app.stash or not any("last_user" in a.windows for a in state_of(ctx.app).book.armed):
+    (last, so that every other plugin's changes are in; only while such a window is armed,
+    and never for a scoring request, which is not monitored)."""
+    if STATE not in ctx.app.stash or is_scoring(request) or not any("last_user" in a.windows for a in state_of(ctx.app).book.armed):
         return
     index = last_user_index(chat.messages)
     if index is None:

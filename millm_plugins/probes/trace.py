@@ -5,8 +5,10 @@ Parsing follows the W3C rules as the OpenTelemetry propagator applies them: lowe
 only; version ``ff`` is invalid; version ``00`` is exactly four fields, a later version may
 carry more after a ``-``; an all-zero trace id or parent id is invalid; spaces and tabs
 around the value are tolerated; a value over 512 characters is ignored. A header sent more
-than once is ignored too (the Trace Context rule; the propagator would take the first).
-Whatever is ignored, the request gets a new trace id.
+than once is ignored too (the Trace Context rule; the propagator would take the first),
+and so is a value holding a ``,``: a traceparent never contains one, so it is a repeated
+header that HTTP joined (the core joins repeated headers with ", "). Whatever is ignored,
+the request gets a new trace id.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class Trace:
 def parse(values: Sequence[str]) -> tuple[str, str] | None:
     """``(trace_id, parent_id)`` from the header's values, or None when it must be ignored
     (absent, repeated or malformed)."""
-    if len(values) != 1 or len(values[0]) > MAX_LENGTH:
+    if len(values) != 1 or len(values[0]) > MAX_LENGTH or "," in values[0]:
         return None
     match = _FORMAT.fullmatch(values[0])
     if match is None:
@@ -54,7 +56,7 @@ def mint() -> str:
 def trace_of(headers: Mapping[str, str | Sequence[str]]) -> Trace:
     """The request's trace from its (lower-cased) headers. A value may be one string or
     the list of every value sent; a comma-joined value (how HTTP combines a repeated
-    field) does not parse, so a repeated header is ignored either way."""
+    field) is repeated too, so a repeated header is ignored either way."""
     raw = headers.get(HEADER)
     values: Sequence[str] = () if raw is None else ([raw] if isinstance(raw, str) else raw)
     parsed = parse(values)

@@ -76,3 +76,13 @@ def test_identical_rows_joining_at_different_steps_get_identical_tokens(engine) 
     solo = run(engine, [row])[0]
     got = run(engine, [row], joins={k: row for k in range(1, 8)})
     assert all(tokens == solo for tokens in got.values())
+
+
+def test_batch_invariant_refuses_a_model_with_no_invariant_path(tiny_dir: str) -> None:
+    from millm_core.errors import ConfigError
+
+    no_fast = load_settings({"dtype": "bfloat16", "fast_decode": False, "batch_invariant": True}, environ={}, plugin_settings=[FAST_DECODE])
+    with pytest.raises(ConfigError, match="no batch-invariant path"):
+        load_engine(ModelLocation(path=tiny_dir, served_name="t"), no_fast)
+    fp32 = load_settings({"dtype": "float32", "fast_decode": False, "batch_invariant": True}, environ={}, plugin_settings=[FAST_DECODE])
+    assert load_engine(ModelLocation(path=tiny_dir, served_name="t"), fp32).batch_invariant

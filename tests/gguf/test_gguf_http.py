@@ -229,3 +229,15 @@ def test_a_stream_leaving_a_shared_batch_frees_only_its_row(make_server, gguf_mo
         stats = httpx.get(srv.base_url + "/api/health/inference").json()["scheduler"]
     assert result["stay"]["choices"][0]["text"] == alone
     assert stats["cancelled_rows"] == 1 and stats["active_rows"] == 0 and stats["running_jobs"] == 0
+
+
+def test_the_backend_header_says_whether_answers_can_depend_on_the_load(make_server, gguf_path: str) -> None:  # type: ignore[no-untyped-def]
+    """Shared llama.cpp batches are not batch-invariant, and say so; --batch-invariant
+    decodes one sequence at a time (serial, invariant)."""
+    from .helpers import load_gguf
+
+    for model, backend in ((load_gguf(gguf_path), "batched;invariant=?0"), (load_gguf(gguf_path, batch_invariant=True), "serial")):
+        with make_server(models=[model]) as srv:
+            resp = httpx.post(srv.base_url + "/v1/chat/completions", json={"model": model.info.served_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            assert resp.status_code == 200 and resp.headers["x-millm-backend"] == backend
+            assert httpx.get(srv.base_url + "/api/health/inference").json()["models"] == {model.info.served_name: backend}

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from ..http.helpers import scheduler_stats
 from .helpers import HELD_CODE, HELD_SEA, JSON, Fitted, arm, chat, chat_ids, content_span, import_probe, ok, stream_lines, user
 
 WINDOWS = ["all", "prompt", "response", "last_user"]
@@ -118,10 +119,14 @@ def test_header_body_and_stream_agree(armed: Any) -> None:
 def test_every_row_of_a_shared_batch_is_monitored(armed: Any) -> None:
     texts = HELD_SEA[:2] + HELD_CODE[:2]
     solo = {t: chat(armed, user(t)).json() for t in texts}
+    before = scheduler_stats(armed.base_url)
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(chat, armed, user(t)) for t in texts * 2]
         futures.append(pool.submit(chat, armed, user(texts[0]), n=2, temperature=1.0, seed=3))
         results = [f.result() for f in futures]
+    after = scheduler_stats(armed.base_url)
+    tokens = sum(r.json()["usage"]["completion_tokens"] for r in results)
+    assert after["steps"] - before["steps"] < tokens  # the rows shared decode steps
     for text, resp in zip(texts * 2, results, strict=False):
         got = resp.json()
         assert got["choices"][0]["message"]["content"] == solo[text]["choices"][0]["message"]["content"]
@@ -159,3 +164,50 @@ def test_a_model_the_probe_was_not_fitted_on_is_skipped(armed: Any) -> None:
     resp = httpx.post(armed.base_url + "/v1/chat/completions", json=body)
     assert resp.status_code == 200, resp.text
     assert {(r["outcome"], r["reason"]) for r in resp.json()["millm_probe_verdicts"]} == {("skipped", "model_mismatch")}
+
+
+def test_per_window_thresholds_and_the_last_aggregation(probe_server: Any, fitted: Fitted, tiny_engine: Any) -> None:
+    text = HELD_CODE[1]
+    ids = chat_ids(tiny_engine, user(text))
+    fed = ids + greedy(tiny_engine, ids, 6)[:-1]
+    prompt, response = fitted.score(ids), fitted.score(fed, len(ids))
+    assert prompt < 0.5 and response > 0.01  # code: the prompt clears the document's threshold
+    split = fitted.document("split", probe_id="split", decision={"threshold": 0.5, "windows": {"response": response - 0.01}})
+    import_probe(probe_server, split)
+    import_probe(probe_server, fitted.document("final", probe_id="final", aggregation="last"))
+    try:
+        ok(arm(probe_server, "split", windows=["prompt", "response"]))
+        ok(arm(probe_server, "final", windows=WINDOWS))
+        resp = chat(probe_server, user(text))
+        got = {(r["probe"]["id"], r["window"]): r for r in resp.json()["millm_probe_verdicts"]}
+        # One probe, two windows, two thresholds: the response flags at its own while the prompt clears.
+        assert (got["split", "prompt"]["threshold"], got["split", "prompt"]["verdict"]) == (0.5, "clear")
+        assert got["split", "response"]["threshold"] == pytest.approx(response - 0.01)
+        assert got["split", "response"]["verdict"] == "flagged"
+        assert got["split", "response"]["score"] == pytest.approx(response, abs=1e-5)
+        # ``last``: the logit at each window's last read position, as computed offline.
+        start, end = content_span(tiny_engine, ids, text)
+        want = {"all": fitted.score(fed, how="last"), "prompt": fitted.score(ids, how="last"),
+                "response": fitted.score(fed, len(ids), how="last"), "last_user": fitted.score(ids, start, end, how="last")}  # fmt: skip
+        for window, score in want.items():
+            assert got["final", window]["outcome"] == "scored" and got["final", window]["score"] == pytest.approx(score, abs=1e-5), window
+        assert got["final", "all"]["score"] == got["final", "response"]["score"]  # both end at the last fed token
+    finally:
+        for probe_id in ("split", "final"):
+            httpx.delete(f"{probe_server.base_url}/api/probes/{probe_id}", headers=JSON)
+
+
+def test_a_long_verdict_header_is_capped_and_the_body_complete(armed: Any) -> None:
+    resp = chat(armed, user(HELD_SEA[2]), n=12, temperature=1.0, seed=5, max_tokens=3)
+    body = resp.json()["millm_probe_verdicts"]
+    assert len(body) == 12 * len(WINDOWS)
+    value = resp.headers["x-millm-probe-verdicts"]
+    assert len(value.encode()) <= 4096
+    members = http_sfv.List()
+    members.parse(value.encode())
+    *kept, tail = list(members)
+    assert isinstance(tail.value, http_sfv.Token) and str(tail.value) == "omitted"
+    assert tail.params["count"] == len(body) - len(kept) > 0
+    assert [(m.params["choice"], str(m.params["window"])) for m in kept] == [
+        (r["served"]["choice"], r["window"]) for r in body[: len(kept)]
+    ]

@@ -61,14 +61,21 @@ printable = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_s
 @example(" " + VALID + "\t")
 @example(VALID.replace("4bf92f35", "00000000").replace("77b34da6a3ce929d0e0e4736", "0" * 24))
 @example("01" + VALID[2:] + "x" * 500)
+@example("01" + VALID[2:] + "-x, " + VALID)
 def test_parsing_agrees_with_the_opentelemetry_propagator(value: str) -> None:
-    assert parse([value]) == reference(value)
+    # Except on purpose: a value with a comma is a repeated header HTTP joined, never one traceparent.
+    assert parse([value]) == (None if "," in value else reference(value))
 
 
 def test_a_repeated_or_missing_header_is_ignored() -> None:
     assert parse([VALID, VALID]) is None and parse([]) is None
     assert trace_of({"traceparent": [VALID, VALID]}).source == "minted"
     assert trace_of({"traceparent": f"{VALID}, {VALID}"}).source == "minted"  # how HTTP joins a repeated field
+    # A later version may carry more after a "-", but never a comma: joined repeats are ignored too.
+    later = "01" + VALID[2:]
+    assert parse([later + "-more"]) is not None
+    assert parse([f"{later}-more, {later}"]) is None and parse([f"{later}-a,b"]) is None
+    assert trace_of({"traceparent": f"{later}-more, {later}"}).source == "minted"
     minted = {trace_of({}).trace_id for _ in range(5)}
     assert len(minted) == 5 and all(re.fullmatch("[0-9a-f]{32}", t) for t in minted)
 
@@ -117,3 +124,6 @@ def test_a_repeated_header_is_ignored_on_the_score_route(traced: Any, tiny_engin
 def test_a_repeated_header_is_ignored_on_completions(traced: Any) -> None:
     other = "00-11111111111111111111111111111111-2222222222222222-01"
     assert {source for _, _, source in traces(post_chat(traced, [("traceparent", VALID), ("traceparent", other)]))} == {"minted"}
+    later = "01" + VALID[2:] + "-more"  # a later version's value, which would parse alone
+    assert {source for _, _, source in traces(post_chat(traced, {"traceparent": later}))} == {"traceparent"}
+    assert {source for _, _, source in traces(post_chat(traced, [("traceparent", later), ("traceparent", later)]))} == {"minted"}
