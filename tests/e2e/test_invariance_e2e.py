@@ -20,7 +20,7 @@ pytestmark = pytest.mark.e2e
 
 PROMPTS = ["Tell me about the sea.", "hi", "What is 2 + 2? Explain step by step.", "Write a haiku.",
            "List three colours.", "Why is the sky blue?", "Say hello in French and in German.", "ok"]  # fmt: skip
-TOKENS = 32
+TOKENS = 24
 
 
 def complete(srv: ServeProcess, model: str, prompt: str) -> httpx.Response:
