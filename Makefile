@@ -51,6 +51,7 @@ bench: $(VENV)/.dev
 	$(PY) bench/bench_activations.py
 	$(PY) bench/bench_attack.py
 	$(PY) bench/bench_probes.py
+	$(PY) bench/bench_lanes.py
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check millm_core millm_engines millm_plugins

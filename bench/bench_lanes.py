@@ -1,0 +1,99 @@
+"""Time to first token of an interactive request while agent streams run, in one run: the
+p50 TTFT of a streamed interactive chat when the server is idle, against the same while
+``--agents`` agent-lane streams generate (target from issue #15: ≤ 2× idle). Lanes order
+admission; on a joinable engine an interactive request joins the running batch at the next
+step, so its wait is one step plus its own prefill.
+
+Usage: python bench/bench_lanes.py [--agents 8] [--samples 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import httpx  # noqa: E402
+from bench_decode import bench_model_dir, save_results, wait_loaded  # noqa: E402
+
+from millm_core.config import load_settings  # noqa: E402
+from millm_core.engine import ModelLocation  # noqa: E402
+from millm_core.registry import ServedModel  # noqa: E402
+from millm_core.server.app import build_host, create_app  # noqa: E402
+from millm_core.testing import RunningServer  # noqa: E402
+from millm_engines.transformers.loader import load_engine  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "Say something about the sea."}]
+
+
+def ttft(base_url: str) -> float:
+    """Seconds from sending a streamed interactive chat to its first content chunk."""
+    body = {"model": "bench", "messages": MESSAGES, "max_tokens": 4, "stream": True, "temperature": 0}
+    started = time.perf_counter()
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=600) as resp:
+        for line in resp.iter_lines():
+            if '"content":"' in line.replace(" ", "") and '"content":""' not in line.replace(" ", ""):
+                return time.perf_counter() - started
+    raise RuntimeError("no content chunk")
+
+
+def agent(base_url: str, stop: threading.Event) -> None:
+    body = {"model": "bench@agent", "prompt": "Write about the sea.", "max_tokens": 256, "temperature": 0}
+    while not stop.is_set():
+        httpx.post(base_url + "/v1/completions", json=body, timeout=600)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--agents", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=7)
+    args = parser.parse_args()
+    settings = load_settings({"log_level": "warning", "db": ":memory:"}, environ={})
+
+    def loader() -> ServedModel:
+        engine = load_engine(ModelLocation(path=bench_model_dir(), served_name="bench"), settings)
+        engine.eos_token_ids = frozenset()  # agents generate their whole budget
+        return ServedModel(info=engine.info, engine=engine)
+
+    app = create_app(settings, host=build_host(settings), loader=loader)
+    with RunningServer(app) as server:
+        wait_loaded(app)
+        ttft(server.base_url)  # warm-up
+        idle = [ttft(server.base_url) for _ in range(args.samples)]
+        stop = threading.Event()
+        agents = [threading.Thread(target=agent, args=(server.base_url, stop)) for _ in range(args.agents)]
+        for thread in agents:
+            thread.start()
+        time.sleep(2.0)  # the agents are generating
+        loaded = []
+        for _ in range(args.samples):
+            loaded.append(ttft(server.base_url))
+            time.sleep(0.2)
+        stop.set()
+        for thread in agents:
+            thread.join()
+    report: dict[str, Any] = {
+        "model": "bench (22M, float32)",
+        "agents": args.agents,
+        "p50_ttft_s": {"idle": statistics.median(idle), "under_agents": statistics.median(loaded)},
+        "ratio": statistics.median(loaded) / statistics.median(idle),
+        "samples": {"idle": idle, "under_agents": loaded},
+    }
+    print(json.dumps(report))
+    print(
+        f"\ninteractive TTFT p50: idle {report['p50_ttft_s']['idle'] * 1000:.0f} ms, under {args.agents} agent streams "
+        f"{report['p50_ttft_s']['under_agents'] * 1000:.0f} ms -> {report['ratio']:.2f}x (target <= 2x)"
+    )
+    save_results("lanes.json", [report])
+
+
+if __name__ == "__main__":
+    main()
