@@ -13,9 +13,9 @@ The groups, in the order a plugin meets them:
 - the contexts hooks receive: ``AppContext``, ``RequestContext``, ``StashKey``;
 - what request hooks exchange: ``Problem``, ``Generate``, ``Compute``, ``Reply``,
   ``ForwardPlan``, ``RowInfo``, ``TokenProcessor``, ``Outcome``, ``ChoiceResult``,
-  ``Finalization``;
+  ``Finalization``, ``RowOwner``;
 - the engine contract: ``Engine``, ``Batch``, ``Joinable``, ``Embedder``, ``Scorer``,
-  ``ResidualReader``, ``Tapping``, ``Tap``, ``Readout``, ``ResidualListener``,
+  ``ResidualReader``, ``Tapping``, ``Rewinding``, ``Tap``, ``Readout``, ``ResidualListener``,
   ``Capability``, ``Capacity``, ``ModelInfo``, ``RowSpec``,
   ``SamplingParams``, ``ServedModel``, ``ModelRegistry``;
 - OpenAI's request and response contracts;
@@ -59,7 +59,9 @@ from .engine import (
     Readout,
     ResidualListener,
     ResidualReader,
+    Rewinding,
     RowEnd,
+    RowOwner,
     RowSpec,
     SamplingParams,
     Scorer,
@@ -190,9 +192,11 @@ __all__ = [
     "Tap",
     "TapPoint",
     "Tapping",
+    "Rewinding",
     "TokenProcessor",
     "TokenMask",
     "RowEnd",
+    "RowOwner",
     "Usage",
     "app_context",
     "cache_root",

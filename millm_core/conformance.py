@@ -3,9 +3,10 @@
 The rules here are the ones the core relies on when it serves an engine: a row's tokens
 depend on its own request alone (not on its batch, its row position or rows joining and
 leaving), seeded sampling is a pure function of ``(seed, stream, position)``, greedy is the
-argmax, declared capabilities are true, and embeddings do not depend on their batch. Each
-test drives the engine's own batch API (``open_batch``/``step``/``join``/``retain``/``close``)
-directly, the way the core's row driver does, with small token budgets.
+argmax, declared capabilities are true, a rewound row goes on as if the tokens taken back had
+never been drawn, and embeddings do not depend on their batch. Each test drives the engine's
+own batch API (``open_batch``/``step``/``join``/``retain``/``rewind``/``close``) directly, the
+way the core's row driver does, with small token budgets.
 
 Usage, in a plugin's test module::
 
@@ -41,7 +42,20 @@ import msgspec
 import numpy as np
 import pytest
 
-from .engine import Capability, Embedder, Engine, EngineFactory, Joinable, ResidualReader, RowSpec, SamplingParams, Scorer, Tap, Tapping
+from .engine import (
+    Capability,
+    Embedder,
+    Engine,
+    EngineFactory,
+    Joinable,
+    ResidualReader,
+    Rewinding,
+    RowSpec,
+    SamplingParams,
+    Scorer,
+    Tap,
+    Tapping,
+)
 
 __all__ = ["GREEDY", "PROTOCOLS", "EngineConformance", "drive", "registered_factory"]
 
@@ -53,6 +67,7 @@ PROTOCOLS: Mapping[Capability, type] = {
     Capability.SCORING: Scorer,
     Capability.STEERING: ResidualReader,
     Capability.TAPS: Tapping,
+    Capability.REWIND: Rewinding,
 }
 
 
@@ -129,8 +144,8 @@ class EngineConformance:
     running longer than ``JOIN_AFTER`` tokens before an EOS), ``MAX_NEW_TOKENS`` (the token
     budget of every row), ``JOIN_AFTER`` (steps before rows join or leave), ``SEED``.
 
-    Optional protocols the engine does not implement (Joinable, Scorer, Embedder) skip
-    their tests. The suite runs in seconds on a tiny model on a CPU.
+    Optional protocols the engine does not implement (Joinable, Scorer, Embedder,
+    Rewinding) skip their tests. The suite runs in seconds on a tiny model on a CPU.
     """
 
     PROMPTS: tuple[str, str, str] = ("The capital of France is", "x", "def main():\n    return 42")
@@ -322,6 +337,68 @@ class EngineConformance:
                 [prompt_vectors] = engine.residuals([prompts[i]], 0)
                 scale = float(np.abs(prompt_vectors).max())
                 assert float(np.abs(np.asarray(together[i][0].vectors[tap]) - prompt_vectors).max()) <= 1e-5 * scale
+
+    # ------------------------------------------------------------------ rewind
+
+    def _rewound(
+        self, engine: Engine, rows: Sequence[RowSpec], steps: int, rewinds: Mapping[int, int], biases: Mapping[int, int] | None = None
+    ) -> list[list[int]]:
+        """Each row's tokens after ``steps`` steps, the rows stepped together. ``rewinds[s]``:
+        after step ``s`` row 0 is rewound by that many tokens (they leave its list);
+        ``biases[s]``: at step ``s`` row 0 gets a bias of -1e9 against that token."""
+        out: list[list[int]] = [[] for _ in rows]
+        batch = engine.open_batch(list(rows))
+        try:
+            for step in range(steps):
+                banned = (biases or {}).get(step)
+                tokens = engine.step(batch, [{banned: -1e9} if banned is not None else None] + [None] * (len(rows) - 1))
+                for row, token in zip(out, tokens, strict=True):
+                    row.append(int(token))
+                if step in rewinds:
+                    cast(Rewinding, engine).rewind(batch, 0, rewinds[step])
+                    del out[0][-rewinds[step] :]
+        finally:
+            engine.close(batch)
+        return out
+
+    def test_rewind_takes_tokens_back(self, conformance_engine: Engine) -> None:
+        """An engine with ``rewind``: a greedy and a seeded row stepped ``n`` times, rewound
+        by ``k`` and stepped on with the same biases draw their tokens again (``k < n`` and
+        ``k == n``, back to the prompt); with a bias against the token they would draw again
+        they go on like a fresh run that drew ``n - k`` tokens and then got that bias; a row
+        stepped beside them keeps its own tokens; ``k`` outside ``1..n`` raises ValueError."""
+        engine = conformance_engine
+        if Capability.REWIND not in engine.capabilities:
+            return  # test_capabilities_have_their_protocols checks the claim
+        assert isinstance(engine, Rewinding)
+        prompts = self._prompts(engine)
+        steps, n = self.MAX_NEW_TOKENS, self.JOIN_AFTER + 2
+        neighbour = self._row(prompts[1])
+        for sampling in (GREEDY, SamplingParams(temperature=1.0, seed=self.SEED)):
+            row = self._row(prompts[0], sampling)
+            fresh = self._rewound(engine, [row, neighbour], steps + n, {})
+            for k in (2, n):
+                # Were the rewind ignored, the row would go on with these instead:
+                assert fresh[0][n - k : n] != fresh[0][n : 2 * n - k], "choose a prompt whose tokens do not repeat"
+                again = self._rewound(engine, [row, neighbour], steps + k, {n - 1: k})
+                assert again[0] == fresh[0][:steps], f"rewound by {k} after {n} tokens, the row did not draw its tokens again"
+                assert again[1] == fresh[1][: steps + k], "a row beside a rewound one changed"
+                redirected = self._rewound(engine, [row, neighbour], steps + k, {n - 1: k}, {n: fresh[0][n - k]})
+                reference = self._rewound(engine, [row, neighbour], steps, {}, {n - k: fresh[0][n - k]})
+                assert reference[0] != fresh[0][:steps], "a -1e9 bias changed nothing"
+                assert redirected[0] == reference[0], f"rewound by {k} then biased, the row differs from a fresh run biased there"
+                assert redirected[1] == fresh[1][: steps + k], "a row beside a rewound one changed"
+        batch = engine.open_batch([self._row(prompts[0])])
+        try:
+            with pytest.raises(ValueError):
+                engine.rewind(batch, 0, 1)  # nothing drawn yet
+            engine.step(batch, [None])
+            engine.step(batch, [None])
+            for k in (0, 3, -1):
+                with pytest.raises(ValueError):
+                    engine.rewind(batch, 0, k)
+        finally:
+            engine.close(batch)
 
     # ------------------------------------------------------------------ embeddings
 

@@ -44,6 +44,7 @@ class Capability(enum.StrEnum):
     CHAT_TEMPLATE_KWARGS = "chat_template_kwargs"
     POOLINGS = "poolings"  # embeddings pooled by last or cls token as well as by mean
     TAPS = "taps"  # rows' residual vectors read back at requested layers (see Tap, Tapping)
+    REWIND = "rewind"  # a row's latest tokens taken back between steps (see Rewinding)
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -192,6 +193,36 @@ class RowEnd:
 
     fields: Mapping[str, Any] = field(default_factory=dict)
     finish_reason: str | None = None
+    # Counts added to ``usage.completion_tokens_details`` (summed over the choices), for
+    # example ``{"reasoning_tokens": 120}``.
+    usage: Mapping[str, int] = field(default_factory=dict)
+    # Fields of the choice itself, beside ``message`` (on the finish chunk when streaming).
+    choice: Mapping[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class RowOwner(Protocol):
+    """An optional part of the per-token stage: a processor that, for a while, owns its
+    row. While ``owns_row()`` is true the processors after it are not asked for biases
+    or masks and see none of the row's tokens (a reasoning block: ``stop``, tool calls
+    and JSON constraints govern the answer only). The text it passes on from ``on_token``
+    once it lets go is the first text they see. A row owner may also:
+
+    - ``side_text()``: after each ``on_token`` and ``flush``, text for other message
+      fields (``{"reasoning_content": "..."}``): it joins the choice's ``message`` and,
+      streaming, arrives as ``delta`` fields;
+    - ``take_back()``: after each step, a number k of its latest tokens to take back.
+      The engine rewinds the row (:class:`Rewinding`, engines with
+      :attr:`Capability.REWIND`), the row's text decoder forgets them and the row goes
+      on as if they had never been drawn; the processor must not have passed their text
+      on. Processors before it that keep per-token state get ``on_rewind(k)``;
+    - ``end_of_turn(token_id)``: called when the row draws an end-of-sequence token while
+      this processor is active; True takes the token back (it is never fed) and the row
+      goes on, so the processor can force something else in its place.
+
+    Only the first processor of a row should own it (``plan.add_processor(f, first=True)``)."""
+
+    def owns_row(self) -> bool: ...
 
 
 class Batch(Protocol):
@@ -286,6 +317,26 @@ class Tapping(Protocol):
     def readouts(self, batch: Batch) -> list[Readout | None]:
         """One entry per row in row order, for the step just run (joined rows included):
         the row's :class:`Readout`, or None for a row without taps."""
+
+
+@runtime_checkable
+class Rewinding(Protocol):
+    """What an engine with :attr:`Capability.REWIND` offers: taking back a row's latest
+    tokens between steps, exactly as if they had never been drawn. The core's row driver
+    calls it when a token processor takes tokens back (a loop guard, an end of turn
+    redirected inside a reasoning block)."""
+
+    def rewind(self, batch: Batch, row: int, k: int) -> None:
+        """Take back the last ``k`` tokens row ``row`` (its position now, after any
+        :meth:`Engine.retain`) drew. With the row's sequence the prompt then its draws
+        ``d_1 .. d_n`` (``d_n`` drawn by the last step, not fed yet), the row becomes as
+        if only ``d_1 .. d_{n-k}`` had been drawn: the dropped positions leave its cache,
+        the next :meth:`Engine.step` feeds ``d_{n-k}`` (the last prompt token when
+        ``k == n``) and draws the token at absolute position ``len(prompt) + n - k`` with
+        that position's counter-based draw, so given the same biases a greedy or seeded
+        row draws ``d_{n-k+1}`` again. Other rows are untouched; a row may be rewound
+        again, and several rows between two steps. Readouts of later steps start at the
+        re-fed position. Raises ValueError unless ``1 <= k <= n``."""
 
 
 @runtime_checkable

@@ -16,7 +16,7 @@ belong to the app and carry on across starts.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import structlog
@@ -182,4 +182,13 @@ class AccessMiddleware:
                 request_id=state.get("request_id"),
                 prompt_tokens=state.get("prompt_tokens"),
                 completion_tokens=state.get("completion_tokens"),
+                **_plugin_fields(state),
             )
+
+
+_CORE_FIELDS = frozenset({"request_id", "error_code", "prompt_tokens", "completion_tokens"})
+
+
+def _plugin_fields(state: Mapping[str, Any]) -> dict[str, Any]:
+    """What plugins put on the request's log line (``ctx.access_log``): plain values only."""
+    return {k: v for k, v in state.items() if k not in _CORE_FIELDS and isinstance(v, str | int | float | bool | list)}

@@ -74,9 +74,14 @@ class ForwardPlan:
     # adds a Tap and reads the vectors in its processors' ``on_residuals``.
     taps: set[Tap] = field(default_factory=set)
 
-    def add_processor(self, factory: ProcessorFactory) -> None:
-        """Register a per-row processor factory; processors run in registration order."""
-        self.processor_factories.append(factory)
+    def add_processor(self, factory: ProcessorFactory, *, first: bool = False) -> None:
+        """Register a per-row processor factory; processors run in registration order.
+        ``first`` puts it before every processor added so far (a row owner, such as the
+        reasoning plugin's, must see each token before the others do)."""
+        if first:
+            self.processor_factories.insert(0, factory)
+        else:
+            self.processor_factories.append(factory)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from typing import Any, TypeVar, cast
 import msgspec
 import structlog
 
-from .engine import Capability, Joinable, Tapping
+from .engine import Capability, Joinable, Rewinding, Tapping
 from .errors import FieldNotHonoured, MillmError, QueueFull, ServiceUnavailable
 from .jobs import (
     Call,
@@ -388,6 +388,8 @@ class Scheduler:
                 keep = run.accept(tokens)
                 if len(keep) < len(tokens) and run.slots:
                     engine.retain(batch, keep)
+                for pos, k in run.rewinds():
+                    cast(Rewinding, engine).rewind(batch, pos, k)  # rows of engines with Capability.REWIND only
         except Exception as exc:  # noqa: BLE001 - delivered to every request in the batch, logged
             log.exception("batch_failed", request_ids=[j.request_id for j in run.jobs])
             run.fail_all(exc)
@@ -411,6 +413,14 @@ class _Run:
         # Jobs failed in the current step (a processor's bias, a row the engine reported):
         # their rows are stepped once more, then dropped with the step's finished rows.
         self.failing: dict[Job, BaseException] = {}
+        # Rows that take tokens back after the current step: (row position after the
+        # step's retain, tokens).
+        self._rewinds: list[tuple[int, int]] = []
+
+    def rewinds(self) -> list[tuple[int, int]]:
+        """The rows to rewind after this step (positions after its retain), once."""
+        out, self._rewinds = self._rewinds, []
+        return out
 
     def _stats(self) -> SchedulerStats:
         return self.scheduler.stats
@@ -523,13 +533,22 @@ class _Run:
             except Exception as exc:  # noqa: BLE001 - this row's request fails, not the batch
                 self._row_failed(job, i, exc)
                 continue
+            if event.rewind and Capability.REWIND not in job.engine.capabilities:
+                self._row_failed(job, i, FieldNotHonoured("a token processor takes tokens back, but this engine cannot rewind a row"))
+                continue
             per_job.setdefault(job, []).append(event)
             if event.finish_reason is None:
+                if event.rewind:
+                    self._rewinds.append((len(keep), event.rewind))
                 keep.append(pos)
             else:
                 self.live[job] -= 1
                 finished += 1
         if failing:  # rows of a job that failed at this step's later rows
+            if self._rewinds:
+                kept = {p for p in keep if self.slots[p][0] not in failing}
+                moved = {p: n for n, p in enumerate(sorted(kept))}
+                self._rewinds = [(moved[keep[at]], k) for at, k in self._rewinds if keep[at] in moved]
             keep = [p for p in keep if self.slots[p][0] not in failing]
         with self.scheduler._lock:
             stats = self._stats()

@@ -28,6 +28,9 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     name: str | UnsetType = UNSET
     tool_calls: list[dict[str, Any]] | None | UnsetType = UNSET
     tool_call_id: str | UnsetType = UNSET
+    # An assistant turn's reasoning, as a reply returned it (a plugin renders it when the
+    # model's template reads it; otherwise it is reported unused).
+    reasoning_content: str | None | UnsetType = UNSET
 
     def text(self) -> str:
         """The content as one string (text parts joined without separator)."""
@@ -79,6 +82,8 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # The model's reasoning, apart from the answer (models whose template has a reasoning block).
+    reasoning_content: str | UnsetType = UNSET
     tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
@@ -106,6 +111,7 @@ class ChatDelta(msgspec.Struct, kw_only=True):
 
     role: Literal["assistant"] | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
     tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 

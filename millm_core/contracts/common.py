@@ -59,3 +59,6 @@ class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Breakdowns a plugin reports (for example ``reasoning_tokens``, ``rewound_tokens``,
+    # both counted in ``completion_tokens``); absent when none does.
+    completion_tokens_details: dict[str, int] | UnsetType = UNSET

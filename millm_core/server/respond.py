@@ -26,6 +26,7 @@ from ..errors import MillmError
 from ..metrics import TokenClock
 from ..pipeline_types import Finalization, Outcome, Reply
 from ..registry import ServedModel
+from ..rows import RowEvent
 from ..sfv import string_list
 from .errors import error_body, internal_error
 from .pipeline import Prepared, RunHandle, events, finalize, outcome, submit, until_ended
@@ -66,56 +67,112 @@ def _headers(state: AppState, prepared: Prepared) -> dict[str, str]:
     return {**response_headers(prepared.ctx, prepared.model.info.served_name), BACKEND_HEADER: backend_of(prepared.model.engine)}
 
 
-def _body_with_extensions(obj: msgspec.Struct, extensions: dict[str, Any]) -> bytes:
-    if not extensions:
+def _body_with_extensions(obj: msgspec.Struct, extensions: dict[str, Any], choices: list[dict[str, Any] | None] | None = None) -> bytes:
+    """The body, with ``extensions`` as top-level keys and ``choices[i]``'s fields added
+    to choice i (fields processors set on the choice itself, beside ``message``)."""
+    if not extensions and not any(choices or ()):
         return encode(obj)
     data = msgspec.to_builtins(obj)
+    for i, extra in enumerate(choices or ()):
+        if extra:
+            data["choices"][i].update(extra)
     data.update(extensions)
     return encode(data)
+
+
+@dataclass
+class _Progress:
+    """What a generation's rows produced so far (a stream's body and its response share
+    it: an interrupted stream finalizes with what was sent)."""
+
+    rows: int
+    finalized: bool = False
+    counts: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    reasons: list[str | None] = field(default_factory=list)
+    # Message fields processors added as each row ended (``tool_calls``).
+    ended: list[dict[str, Any] | None] = field(default_factory=list)
+    # Text of other message fields, accumulated (``reasoning_content``).
+    sides: list[dict[str, str]] = field(default_factory=list)
+    # Fields of each choice itself (beside ``message``), and the summed usage details.
+    choices: list[dict[str, Any] | None] = field(default_factory=list)
+    details: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.counts, self.texts = [0] * self.rows, [""] * self.rows
+        self.reasons, self.ended, self.choices = [None] * self.rows, [None] * self.rows, [None] * self.rows
+        self.sides = [{} for _ in range(self.rows)]
+
+    def take(self, ev: RowEvent) -> None:
+        """Record one row event."""
+        self.counts[ev.row] += 1
+        self.texts[ev.row] += ev.text
+        if ev.side:
+            side = self.sides[ev.row]
+            for key, value in ev.side.items():
+                side[key] = side.get(key, "") + value
+        if ev.finish_reason:
+            self.reasons[ev.row] = ev.finish_reason
+            self.ended[ev.row] = ev.fields
+            self.choices[ev.row] = ev.choice
+            for name, count in (ev.usage or {}).items():
+                self.details[name] = self.details.get(name, 0) + count
+
+    def fields(self) -> list[dict[str, Any] | None]:
+        """Each choice's added message fields: side-channel text, then the fields its
+        processors added as it ended."""
+        return [({**side, **(ended or {})} or None) for side, ended in zip(self.sides, self.ended, strict=True)]
+
+    def usage(self, prompt_tokens: int) -> Usage:
+        completion = sum(self.counts)
+        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+        if self.details:
+            usage.completion_tokens_details = dict(self.details)
+        return usage
+
+    def outcome(self, prepared: Prepared, *, cancelled: bool = False) -> Outcome:
+        return outcome(prepared, self.texts, self.reasons, self.counts, cancelled=cancelled, fields=self.fields())
 
 
 async def complete(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
     """Run to the end and answer with one JSON body."""
     handle = submit(state, prepared)
-    texts = [""] * handle.rows
-    reasons: list[str | None] = [None] * handle.rows
-    fields: list[dict[str, Any] | None] = [None] * handle.rows
-    counts = [0] * handle.rows
+    progress = _Progress(handle.rows)
     clock = TokenClock(state.metrics, prepared.ctx.started)
     try:
         async for step in events(handle):
             if step.events:
                 clock.tick()
             for ev in step.events:
-                texts[ev.row] += ev.text
-                counts[ev.row] += 1
-                if ev.finish_reason:
-                    reasons[ev.row] = ev.finish_reason
-                    fields[ev.row] = ev.fields
+                progress.take(ev)
     except BaseException:
         handle.job.cancel()
         raise
-    result = outcome(prepared, texts, reasons, counts, fields=fields)
+    result = progress.outcome(prepared)
     count_tokens(state, prepared.ctx, result)
     final = finalize(state, prepared, result)
     info = prepared.model.info
-    usage = Usage(
-        prompt_tokens=result.prompt_tokens,
-        completion_tokens=result.completion_tokens,
-        total_tokens=result.prompt_tokens + result.completion_tokens,
-    )
     body = shapes.full(
         f"{shapes.id_prefix}-{uuid.uuid4().hex}",
         prepared.ctx.created,
         info.served_name,
         info.system_fingerprint,
-        texts,
-        reasons,
-        usage,
-        fields,
+        progress.texts,
+        progress.reasons,
+        progress.usage(result.prompt_tokens),
+        progress.fields(),
     )
     headers = {**_headers(state, prepared), **final.headers}
-    return Response(_body_with_extensions(body, final.extensions), media_type="application/json", headers=headers)
+    return Response(_body_with_extensions(body, final.extensions, progress.choices), media_type="application/json", headers=headers)
+
+
+def _frame(chunk: msgspec.Struct, choice: dict[str, Any] | None = None) -> bytes:
+    """One SSE frame; ``choice``: fields added to the chunk's choice."""
+    if not choice:
+        return sse_frame(chunk)
+    data = msgspec.to_builtins(chunk)
+    data["choices"][0].update(choice)
+    return b"data: " + encode(data) + b"\n\n"
 
 
 def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
@@ -128,9 +185,10 @@ def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
     created = prepared.ctx.created
     options = getattr(prepared.request, "stream_options", None)
     include_usage = not (isinstance(options, StreamOptions) and options.include_usage is False)
-
     progress = _Progress(handle.rows)
-    counts, texts, reasons, fields = progress.counts, progress.texts, progress.reasons, progress.fields
+
+    def chunk(row: int, text: str | None, reason: str | None = None, usage: Usage | None = None, fields: dict[str, Any] | None = None) -> msgspec.Struct:
+        return shapes.chunk(response_id, created, info.served_name, row, text, reason, False, usage, fields)
 
     async def body() -> AsyncIterator[bytes]:
         open_rows = handle.rows
@@ -142,28 +200,23 @@ def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
                 if step.events:
                     clock.tick()
                 for ev in step.events:
-                    counts[ev.row] += 1
-                    texts[ev.row] += ev.text
-                    if ev.finish_reason:
-                        reasons[ev.row] = ev.finish_reason
-                        fields[ev.row] = ev.fields
-                        open_rows -= 1
-                        usage = None
-                        if open_rows == 0 and include_usage:
-                            prompt = prepared.prompt_tokens
-                            usage = Usage(prompt_tokens=prompt, completion_tokens=sum(counts), total_tokens=prompt + sum(counts))
-                        text = ev.text
-                        if ev.fields:  # the text, then one delta with the fields, then the final chunk
-                            if text:
-                                yield sse_frame(shapes.chunk(response_id, created, info.served_name, ev.row, text, None, False, None))
-                            yield sse_frame(
-                                shapes.chunk(response_id, created, info.served_name, ev.row, None, None, False, None, ev.fields)
-                            )
-                            text = ""
-                        yield sse_frame(shapes.chunk(response_id, created, info.served_name, ev.row, text, ev.finish_reason, False, usage))
-                    elif ev.text:
-                        yield sse_frame(shapes.chunk(response_id, created, info.served_name, ev.row, ev.text, None, False, None))
-            result = outcome(prepared, texts, reasons, counts, fields=fields)
+                    progress.take(ev)
+                    if ev.side:  # other message fields' text first (reasoning before the answer)
+                        yield sse_frame(chunk(ev.row, None, fields=ev.side))
+                    if not ev.finish_reason:
+                        if ev.text:
+                            yield sse_frame(chunk(ev.row, ev.text))
+                        continue
+                    open_rows -= 1
+                    usage = progress.usage(prepared.prompt_tokens) if open_rows == 0 and include_usage else None
+                    text = ev.text
+                    if ev.fields:  # the text, then one delta with the fields, then the final chunk
+                        if text:
+                            yield sse_frame(chunk(ev.row, text))
+                        yield sse_frame(chunk(ev.row, None, fields=ev.fields))
+                        text = ""
+                    yield _frame(chunk(ev.row, text, ev.finish_reason, usage), ev.choice)
+            result = progress.outcome(prepared)
             count_tokens(state, prepared.ctx, result)
             progress.finalized = True
             final = finalize(state, prepared, result)
@@ -185,22 +238,6 @@ def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
     return JobStream(body(), handle, prepared, media_type="text/event-stream", headers=headers, on_end=lambda: _interrupted(state, prepared, handle, progress))
 
 
-@dataclass
-class _Progress:
-    """What a stream has sent so far, shared by its body and its response."""
-
-    rows: int
-    finalized: bool = False
-    counts: list[int] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    reasons: list[str | None] = field(default_factory=list)
-    fields: list[dict[str, Any] | None] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.counts, self.texts = [0] * self.rows, [""] * self.rows
-        self.reasons, self.fields = [None] * self.rows, [None] * self.rows
-
-
 INTERRUPTED_WAIT_S = 30.0
 
 
@@ -213,7 +250,7 @@ async def _interrupted(state: AppState, prepared: Prepared, handle: RunHandle, p
         return
     if not await until_ended(handle, INTERRUPTED_WAIT_S):
         log.warning("interrupted_job_still_running", request_id=prepared.ctx.request_id)
-    result = outcome(prepared, progress.texts, progress.reasons, progress.counts, cancelled=True, fields=progress.fields)
+    result = progress.outcome(prepared, cancelled=True)
     try:
         finalize(state, prepared, result)
     except Exception:  # noqa: BLE001 - the stream is gone; a plugin's failure here is only logged

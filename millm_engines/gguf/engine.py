@@ -234,6 +234,26 @@ class GGUFEngine:
                 self._release(row)
         batch.rows = [batch.rows[i] for i in keep]
 
+    def rewind(self, batch: GGUFBatch, row: int, k: int) -> None:
+        """Take back row ``row``'s last ``k`` draws, as if never drawn: the sequence's KV
+        cells from the re-fed token's position on are freed and the next step feeds that
+        token there. Back to the prompt (``k == n``) the whole prompt runs again in one
+        call, as the prefill did: fed alone, its last token's logits would differ from the
+        prefill's by rounding. A cache that cannot keep the sequence's start (recurrent
+        state, sliding window) runs the prompt and the kept draws again."""
+        if not 0 <= row < len(batch.rows):
+            raise ValueError(f"row {row} is not in the batch ({len(batch.rows)} rows)")
+        state = batch.rows[row]
+        n = len(state.tokens) - state.prompt_len
+        if not 1 <= k <= n:
+            raise ValueError(f"row {row} drew {n} tokens: rewind takes back 1 to {n} of them, not {k}")
+        del state.tokens[-k:]
+        keep = len(state.tokens) - 1 if k < n else 0  # cache positions kept: all but the re-fed token
+        if not self.llm.forget_from(state.seq, keep):
+            self.llm.forget(state.seq)
+            keep = 0
+        state.n_past = keep
+
     def close(self, batch: GGUFBatch) -> None:
         for row in batch.rows:
             self._release(row)

@@ -179,6 +179,15 @@ class LlamaModel:
         """Free every KV cell of sequence ``seq``."""
         L.llama_memory_seq_rm(self.memory, seq, -1, -1)
 
+    def forget_from(self, seq: int, pos: int) -> bool:
+        """Free sequence ``seq``'s KV cells at positions ``pos`` and later. False when what
+        is left is not the sequence's positions ``0 .. pos - 1``: a recurrent state cannot
+        drop part of a sequence, and a sliding-window cache has already dropped its start
+        (the caller then frees the whole sequence and runs it again)."""
+        if not L.llama_memory_seq_rm(self.memory, seq, pos, -1):
+            return False
+        return pos == 0 or int(L.llama_memory_seq_pos_min(self.memory, seq)) == 0
+
     def embed(self, ids: Sequence[int], n_ctx: int) -> np.ndarray:
         """The mean of the last hidden states over ``ids`` (llama.cpp's MEAN pooling), in a
         separate context whose one batch holds a whole input of up to ``n_ctx`` tokens."""

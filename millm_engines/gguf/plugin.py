@@ -24,7 +24,9 @@ from millm_core.api import (
 MILLM_PLUGIN_KIND = "engine"
 NAME = "gguf"
 ENGINE = "llama.cpp"
-CAPABILITIES = frozenset({Capability.GENERATE, Capability.EMBEDDINGS, Capability.STRUCTURED_OUTPUT, Capability.TOOLS})
+CAPABILITIES = frozenset(
+    {Capability.GENERATE, Capability.EMBEDDINGS, Capability.STRUCTURED_OUTPUT, Capability.TOOLS, Capability.REWIND}
+)
 
 
 def _positive(value: str) -> int:

@@ -15,13 +15,14 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from millm_core.api import ModelInfo, NonFiniteLogits, OutOfMemory, Readout, RowsFailed, RowSpec, SamplingParams, Tap
+from millm_core.api import Capability, ModelInfo, NonFiniteLogits, OutOfMemory, Readout, RowsFailed, RowSpec, SamplingParams, Tap
 
 from .chat import render_chat_ids
 from .fastpath import KVCache, LlamaDecoder
 from .fp32 import Float32Copies
 from .memory import available_bytes, shortfall
 from .plugin import CAPABILITIES  # declared once, before any load
+from .rewind import PromptEnd, refeed_prompt_ends, refusal, rewind, select
 from .sampler import apply_biases, apply_masks, sample
 from .taps import Captured, TapSet, block_hook, readouts
 
@@ -59,6 +60,11 @@ class HFBatch:
     row_taps: list[tuple[Tap, ...]] = field(default_factory=list)
     taps: TapSet | None = None
     reads: list[Readout | None] | None = None
+    # For rewinds (see .rewind): each row's draws, its prefill's logits, and the rows
+    # taken back to their prompt, whose last prompt token the next step re-feeds.
+    drawn: list[list[int]] = field(default_factory=list)
+    first_logits: list[torch.Tensor] = field(default_factory=list)
+    refill: dict[int, PromptEnd] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -93,10 +99,18 @@ class TransformersEngine:
         self.tokenizer = tokenizer
         self.info = info
         self.eos_token_ids = eos_token_ids
+        # Sampling values the model's generation_config.json states (set by the loader).
+        self.generation_defaults: dict[str, float] = {}
         self.device = next(model.parameters()).device
         pad = tokenizer.pad_token_id
         self._pad_id = int(pad if pad is not None else next(iter(eos_token_ids), 0))
         self._rows = 0  # rows in the open batch (the scheduler runs one at a time)
+        # The lean decode step's cache can always take tokens back; HF's, per layer type.
+        cannot = None if fast is not None else refusal(model.config)
+        self.refusals: dict[Capability, str] = {}
+        if cannot:
+            self.capabilities = CAPABILITIES - {Capability.REWIND}
+            self.refusals[Capability.REWIND] = cannot
 
     # ------------------------------------------------------------------ text
 
@@ -139,7 +153,9 @@ class TransformersEngine:
         return self._new_batch(rows)
 
     def _new_batch(self, rows: Sequence[RowSpec]) -> HFBatch:
-        batch = HFBatch(prompts=[r.prompt_ids for r in rows], params=[r.sampling for r in rows], row_taps=[r.taps for r in rows])
+        batch = HFBatch(
+            prompts=[r.prompt_ids for r in rows], params=[r.sampling for r in rows], row_taps=[r.taps for r in rows], drawn=[[] for _ in rows]
+        )
         batch.taps = TapSet.build(batch.row_taps, self.device, self.info.n_layers)
         layers = sorted({layer for r in rows for layer in r.deltas})
         if layers:
@@ -187,6 +203,7 @@ class TransformersEngine:
         if not batch.started:
             batch.started = True
             logits = self._prefill(batch)
+            batch.first_logits = list(logits.clone().unbind(0))  # the sampling below changes ``logits`` in place
         else:
             logits = self._decode(batch)
         joining, batch.joining = batch.joining, []
@@ -209,6 +226,8 @@ class TransformersEngine:
         assert batch.draw_pos is not None
         tokens = sample(logits, batch.params, batch.draw_pos)
         batch.last_tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        for drawn, token in zip(batch.drawn, tokens, strict=True):
+            drawn.append(token)
         batch.draw_pos = [p + 1 for p in batch.draw_pos]
         if broken:
             raise RowsFailed(
@@ -252,6 +271,7 @@ class TransformersEngine:
                 f"the {self.device} device ran out of memory prefilling this request beside the running batch; retry"
             ) from exc
         sub.started = True
+        sub.first_logits = list(sub.prefilled.clone().unbind(0))
         self._rows += len(rows)
         batch.joining.append(sub)
 
@@ -272,6 +292,8 @@ class TransformersEngine:
         batch.draw_pos = batch.draw_pos + sub.draw_pos
         batch.prompts += sub.prompts
         batch.params += sub.params
+        batch.drawn += sub.drawn
+        batch.first_logits += sub.first_logits
         batch.row_taps += sub.row_taps
         if batch.taps is not None or sub.taps is not None:
             batch.taps = TapSet.build(batch.row_taps, self.device, self.info.n_layers)
@@ -355,6 +377,7 @@ class TransformersEngine:
             # masked row reduces in another order, which bf16 shows in the tokens.
             starts = mask.int().argmax(dim=1).tolist() if mask is not None else None
             logits = self.fast.step(batch.last_tokens, batch.next_pos, batch.kv, None if starts else mask, batch.deltas, reads, captured, starts)
+            refeed_prompt_ends(batch, logits)
             batch.next_pos = batch.next_pos + 1
             self._decode_reads(batch, captured)
             return logits
@@ -367,9 +390,11 @@ class TransformersEngine:
                 use_cache=True,
                 logits_to_keep=1,
             )
+        logits = out.logits[:, -1, :]
+        refeed_prompt_ends(batch, logits)
         batch.next_pos = batch.next_pos + 1
         self._decode_reads(batch, captured)
-        return out.logits[:, -1, :]
+        return logits
 
     @staticmethod
     def _decode_reads(batch: HFBatch, captured: Captured) -> None:
@@ -391,6 +416,7 @@ class TransformersEngine:
         if batch.taps is not None:
             batch.taps = TapSet.build(batch.row_taps, self.device, self.info.n_layers)
         batch.reads = None
+        select(batch, keep)
         if batch.cache is not None:
             batch.cache.batch_select_indices(index)
         if batch.kv is not None:
@@ -403,6 +429,11 @@ class TransformersEngine:
             batch.next_pos = batch.next_pos.index_select(0, index)
         if batch.last_tokens is not None:
             batch.last_tokens = batch.last_tokens.index_select(0, index)
+
+    @torch.inference_mode()
+    def rewind(self, batch: HFBatch, row: int, k: int) -> None:
+        """Take back row ``row``'s last ``k`` draws, as if never drawn (see :mod:`.rewind`)."""
+        rewind(batch, row, k)
 
     # ------------------------------------------------------------------ scoring
 
@@ -507,3 +538,5 @@ class TransformersEngine:
         batch.cache = None
         batch.kv = None
         batch.mask = None
+        batch.first_logits = []
+        batch.refill = {}

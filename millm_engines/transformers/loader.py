@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import structlog
@@ -49,6 +50,19 @@ def _eos_ids(tokenizer: object, path: str) -> frozenset[int]:
     if gen is not None and gen.eos_token_id is not None:
         ids.update([gen.eos_token_id] if isinstance(gen.eos_token_id, int) else gen.eos_token_id)
     return frozenset(ids)
+
+
+def stated_sampling(path: str) -> dict[str, float]:
+    """The sampling values (temperature, top_p, top_k) a model's ``generation_config.json``
+    states, for a model that samples by default; never the library's built-in values."""
+    try:
+        with open(os.path.join(path, "generation_config.json"), encoding="utf-8") as fh:
+            stated = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(stated, dict) or stated.get("do_sample") is False:
+        return {}
+    return {k: float(v) for k in ("temperature", "top_p", "top_k") if isinstance(v := stated.get(k), int | float) and not isinstance(v, bool)}
 
 
 def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngine:
@@ -100,6 +114,7 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
         fast_decode_reason=reason,
     )
     engine = TransformersEngine(model, tokenizer, info, _eos_ids(tokenizer, path), fast=fast)
+    engine.generation_defaults = stated_sampling(path)
     if settings.batch_invariant and not engine.batch_invariant:
         raise ConfigError(
             f"--batch-invariant: '{info.served_name}' in {info.dtype} has no batch-invariant path here (the lean decode step "

@@ -26,6 +26,7 @@ CAPABILITIES = frozenset(
         Capability.STRUCTURED_OUTPUT,
         Capability.TOOLS,
         Capability.TAPS,
+        Capability.REWIND,
     }
 )
 

@@ -69,6 +69,37 @@ def test_rows_joining_a_running_batch_get_what_they_get_alone(gguf_model, tiny_e
     assert got == alone[1:]
 
 
+def test_a_rewind_frees_the_rows_kv_cells(gguf_model, tiny_engine) -> None:  # type: ignore[no-untyped-def]
+    """A rewound row's sequence keeps the cache positions before the re-fed token only (all
+    of them freed when it goes back to its prompt, which the next step runs again), and
+    its reservation of cells neither grows nor shrinks."""
+    import llama_cpp as L
+
+    engine = gguf_model.engine
+    ids = tiny_engine.encode(PROMPTS[0], add_special_tokens=True)
+    reserved = engine._reserved
+    batch = engine.open_batch([RowSpec(prompt_ids=tuple(ids), sampling=SamplingParams(temperature=0.0), max_new_tokens=12)])
+    seq = batch.rows[0].seq
+
+    def last_position() -> int:
+        return int(L.llama_memory_seq_pos_max(engine.llm.memory, seq))
+
+    try:
+        for _ in range(8):
+            engine.step(batch, [None])
+        assert last_position() == len(ids) + 6  # the prompt and 7 of the 8 draws were fed
+        engine.rewind(batch, 0, 3)
+        assert last_position() == len(ids) + 3  # the 5th draw is fed again at len(ids) + 4
+        engine.rewind(batch, 0, 5)
+        assert last_position() == -1
+        assert engine._reserved == reserved + len(ids) + 12
+        engine.step(batch, [None])
+        assert last_position() == len(ids) - 1
+    finally:
+        engine.close(batch)
+    assert engine._reserved == reserved
+
+
 def test_dtype_other_than_auto_is_refused_not_ignored(gguf_path: str) -> None:
     """A GGUF file's precision is its quantization: --dtype cannot be honoured, so it is
     refused at load instead of being silently dropped."""
