@@ -14,8 +14,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_decode import save_results, smollm2_dir, wait_loaded  # noqa: E402
+from bench_decode import aggregate_rate, save_results, smollm2_dir, wait_loaded  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from millm_core.config import load_settings  # noqa: E402
@@ -59,18 +57,7 @@ def chat(base_url: str, prompt: str, tokens: int, read: bool) -> int:
 
 def rate(base_url: str, n: int, tokens: int, read: bool) -> float:
     """Aggregate generated tokens per second of ``n`` requests sent at once."""
-    counts = [0] * n
-
-    def run(i: int) -> None:
-        counts[i] = chat(base_url, PROMPTS[i % len(PROMPTS)], tokens, read)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(counts) / (time.perf_counter() - started)
+    return aggregate_rate(lambda i: chat(base_url, PROMPTS[i % len(PROMPTS)], tokens, read), n)
 
 
 def main() -> None:

@@ -76,6 +76,15 @@ def save_results(name: str, reports: list[dict[str, Any]]) -> None:
         json.dump(reports, fh, indent=2)
 
 
+def aggregate_rate(call: Callable[[int], int], n: int) -> float:
+    """Tokens per second of ``n`` calls made at once: ``call(i)`` sends request i and
+    returns the tokens it generated."""
+    with ThreadPoolExecutor(n) as pool:
+        started = time.perf_counter()
+        counts = list(pool.map(call, range(n)))
+    return sum(counts) / (time.perf_counter() - started)
+
+
 def median_rate(samples: list[float]) -> float:
     return statistics.median(samples)
 

@@ -186,7 +186,9 @@ class AccessMiddleware:
             )
 
 
-_CORE_FIELDS = frozenset({"request_id", "error_code", "prompt_tokens", "completion_tokens"})
+_CORE_FIELDS = frozenset(
+    {"request_id", "error_code", "prompt_tokens", "completion_tokens", "method", "path", "status", "code", "duration_ms", "event"}
+)
 
 
 def _plugin_fields(state: Mapping[str, Any]) -> dict[str, Any]:

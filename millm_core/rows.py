@@ -51,7 +51,8 @@ class RowDriver:
     A processor that *owns* the row (its optional ``owns_row()`` is true) hides the row
     from the processors after it: they are not asked for biases or masks and see no
     tokens until it lets go (a reasoning block is not the answer that ``stop``, tool
-    calls or a JSON constraint govern). Only such a processor may take tokens back."""
+    calls or a JSON constraint govern), except those with ``whole_row = True``, which see
+    every token (penalties). Only such a processor may take tokens back."""
 
     __slots__ = (
         "row",
@@ -60,6 +61,7 @@ class RowDriver:
         "_masks",
         "_listeners",
         "_owners",
+        "_whole",
         "_side",
         "_takers",
         "_turns",
@@ -88,6 +90,9 @@ class RowDriver:
         # Processors that read the row's residual vectors (``on_residuals``).
         self._listeners = tuple(p for p in self._processors if _method(p, "on_residuals"))
         self._owners = frozenset(id(p) for p in self._processors if _method(p, "owns_row"))
+        # Processors an owner never hides the row from (``whole_row = True``: penalties
+        # count every token drawn).
+        self._whole = frozenset(id(p) for p in self._processors if getattr(p, "whole_row", False) is True)
         self._side = frozenset(id(p) for p in self._processors if _method(p, "side_text"))
         self._takers = tuple(p for p in self._processors if _method(p, "take_back"))
         self._turns = tuple(p for p in self._processors if _method(p, "end_of_turn"))
@@ -107,9 +112,11 @@ class RowDriver:
 
     def _active(self) -> Sequence[TokenProcessor]:
         """The processors that govern the next token: all of them, or those up to and
-        including the first one that owns the row."""
+        including the first one that owns the row, and the whole-row ones after it."""
         owner = self._owner()
-        return self._processors if owner is None else self._processors[: owner + 1]
+        if owner is None:
+            return self._processors
+        return self._processors[: owner + 1] + tuple(p for p in self._processors[owner + 1 :] if id(p) in self._whole)
 
     def bias(self) -> dict[int, float] | None:
         """The summed logit bias of this row's processors for the next step."""
@@ -173,11 +180,11 @@ class RowDriver:
         owner = self._owner()  # who owned the row when this token was drawn
         for index, proc in enumerate(self._processors):
             token = token_id
-            if owner is not None and index > owner:
+            if owner is not None and index > owner and id(proc) not in self._whole:
                 # The owner's token: the processors after it get only the text it let go
                 # (as it hands the row back), as text with no token.
                 if not text:
-                    break
+                    continue
                 token = -1
             text, stop = proc.on_token(token, text)
             side = self._side_of(proc, side)
@@ -197,11 +204,13 @@ class RowDriver:
             if k <= 0:
                 continue
             self._detok.rewind(k)
+            before = True
             for proc in self._processors:
                 if proc is taker:
-                    break
+                    before = False
+                    continue
                 hear = _method(proc, "on_rewind")
-                if hear is not None:
+                if hear is not None and (before or id(proc) in self._whole):  # those that saw the tokens
                     hear(k)
             total += k
         return total

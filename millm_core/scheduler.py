@@ -389,7 +389,10 @@ class Scheduler:
                 if len(keep) < len(tokens) and run.slots:
                     engine.retain(batch, keep)
                 for pos, k in run.rewinds():
-                    cast(Rewinding, engine).rewind(batch, pos, k)  # rows of engines with Capability.REWIND only
+                    try:
+                        cast(Rewinding, engine).rewind(batch, pos, k)  # rows of engines with Capability.REWIND only
+                    except Exception as exc:  # noqa: BLE001 - this row's request fails, not the batch
+                        run.rewind_failed(pos, exc)
         except Exception as exc:  # noqa: BLE001 - delivered to every request in the batch, logged
             log.exception("batch_failed", request_ids=[j.request_id for j in run.jobs])
             run.fail_all(exc)
@@ -416,6 +419,12 @@ class _Run:
         # Rows that take tokens back after the current step: (row position after the
         # step's retain, tokens).
         self._rewinds: list[tuple[int, int]] = []
+
+    def rewind_failed(self, pos: int, exc: BaseException) -> None:
+        """The engine could not rewind the row at ``pos``: its request fails (its rows
+        step once more, then leave the batch)."""
+        job, row = self.slots[pos]
+        self._row_failed(job, row, exc)
 
     def rewinds(self) -> list[tuple[int, int]]:
         """The rows to rewind after this step (positions after its retain), once."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -73,6 +74,16 @@ def no_template_model(tiny_dir_no_template: str, base_settings: Settings) -> Ser
 
 
 ServerFactory = Callable[..., contextlib.AbstractContextManager[RunningServer]]
+
+
+@pytest.fixture
+def info_logs() -> Iterator[None]:
+    """Log at info for one test (the suite logs at warning), then restore."""
+    configure_logging("console", "info")
+    try:
+        yield
+    finally:
+        configure_logging("console", os.environ.get("MILLM_TEST_LOG_LEVEL", "warning"))
 
 
 @pytest.fixture(scope="session")
@@ -161,3 +172,28 @@ def tools_server(make_server: ServerFactory, tool_models: dict[str, ServedModel]
     """A server whose models take tools (one per call format), beside one without a template."""
     with make_server(models=[*tool_models.values(), no_template_model]) as srv:
         yield srv
+
+
+# ------------------------------------------------------------------ a reasoning template
+
+
+@pytest.fixture(scope="session")
+def reasoning_model(tmp_path_factory: pytest.TempPathFactory) -> ServedModel:
+    """The tiny model served as ``tiny-think`` with a reasoning template whose prompt opens
+    the block, as DeepSeek-R1's does (``tests/fixtures/templates/think.jinja`` with
+    ``open_thinking`` on unless ``enable_thinking`` is false), so that its random weights
+    always reason; a 2048-token window. Tool calls are Hermes blocks."""
+    template = (pathlib.Path(TEMPLATES) / "think.jinja").read_text()
+    opened = template.replace("open_thinking is defined and open_thinking", "true")
+    path = tmp_path_factory.mktemp("templates") / "think-open.jinja"
+    path.write_text(opened)
+    settings = load_settings({"log_level": "warning", "chat_template": str(path)}, environ={})
+    return _load(tiny_model_dir(context=2048), "tiny-think", settings)
+
+
+@pytest.fixture(scope="session")
+def reasoning_server(make_server: ServerFactory, reasoning_model: ServedModel, tiny_model: ServedModel) -> Iterator[RunningServer]:
+    """A server with the reasoning-template model beside the plain tiny model."""
+    with make_server(models=[reasoning_model, tiny_model]) as srv:
+        yield srv
+

@@ -2,9 +2,11 @@
 
 Examples address the default deployment (http://127.0.0.1:8000, SmolLM2-135M-Instruct);
 the test points them at a server running the tiny model. The GGUF page's examples address
-``millm serve --engine gguf`` and run against the tiny model written as GGUF; the tools
-page's address SmolLM2 served with the example Hermes template, and run against the tiny
-model served with that template. Blocks fenced as ``console``,
+``millm serve --engine gguf`` and run against the tiny model written as GGUF; the tools and
+responses pages' address SmolLM2 served with the example Hermes template, and run against
+the tiny model served with that template; the reasoning page's address a reasoning model
+(``Qwen3-0.6B``) and run against ``tiny-think`` (the tiny model with a reasoning template).
+Blocks fenced as ``console``,
 ``text`` or ``toml`` are illustrations and are not run.
 
 A ``python`` block of CONTRIBUTING.md whose first line is a ``# <path>.py`` comment is a
@@ -59,6 +61,7 @@ def localise(code: str, base_url: str) -> str:
         code.replace("http://127.0.0.1:8000", base_url)
         .replace("SmolLM2-135M-Instruct-GGUF:Q4_1", "tiny:F32")
         .replace("SmolLM2-135M-Instruct", "tiny")
+        .replace("Qwen3-0.6B", "tiny-think")
     )
 
 
@@ -90,7 +93,7 @@ def walkthrough_sae(base_url: str, d_model: int, folder: pathlib.Path) -> Iterat
 
 @pytest.mark.parametrize(("page", "index", "lang", "code"), blocks(), ids=[f"{b[0]}#{b[1]}" for b in blocks()])
 def test_example_runs(request: pytest.FixtureRequest, tmp_path: pathlib.Path, tiny_engine, page: str, index: int, lang: str, code: str) -> None:  # type: ignore[no-untyped-def]
-    server = request.getfixturevalue({"gguf.md": "gguf_server", "tools.md": "tools_server"}.get(page, "server"))
+    server = request.getfixturevalue({"gguf.md": "gguf_server", "tools.md": "tools_server", "responses.md": "tools_server", "reasoning.md": "reasoning_server"}.get(page, "server"))
     code = localise(code, server.base_url)
     setup = walkthrough_sae(server.base_url, tiny_engine.info.d_model, tmp_path) if '"steering"' in code and page == "README.md" else contextlib.nullcontext()
     with setup:

@@ -60,7 +60,7 @@ def stated_sampling(path: str) -> dict[str, float]:
             stated = json.load(fh)
     except (OSError, ValueError):
         return {}
-    if not isinstance(stated, dict) or stated.get("do_sample") is False:
+    if not isinstance(stated, dict) or stated.get("do_sample") is not True:  # HF generates greedily unless told to sample
         return {}
     return {k: float(v) for k in ("temperature", "top_p", "top_k") if isinstance(v := stated.get(k), int | float) and not isinstance(v, bool)}
 

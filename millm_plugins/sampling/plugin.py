@@ -18,6 +18,8 @@ from millm_core.api import (
     ForwardPlan,
     Generate,
     Outcome,
+    PluginSetting,
+    Problem,
     RequestContext,
     RequestField,
     RowInfo,
@@ -25,6 +27,7 @@ from millm_core.api import (
     hookimpl,
 )
 
+from .defaults import NO_THINKING, THINKING, defaults, mode_of
 from .processors import Penalties, StopSequences
 
 NAME = "sampling"
@@ -70,16 +73,59 @@ def seed_header(seed: int) -> str:
     return f'{seed};scope="request"'
 
 
+def _sent(request: Any) -> dict[str, float]:
+    """The sampling fields the request sent (a null is not sent)."""
+    values: dict[str, Any] = {name: getattr(request, name, None) for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty")}
+    values["top_k"] = TOP_K.get(request)
+    return {name: float(value) for name, value in values.items() if _set(value)}
+
+
+def _effective(ctx: RequestContext, request: Any) -> dict[str, float]:
+    """Each sampling field: as sent, else its default for this model and mode. A greedy
+    request (sent temperature 0) gets no defaults: what it does not send is neutral."""
+    sent = _sent(request)
+    if sent.get("temperature") == 0.0:
+        return sent
+    engine = ctx.model.engine if ctx.model is not None else None
+    values = {**defaults(ctx.settings, engine, mode_of(request)), **sent}
+    if values.get("temperature") == 0.0:  # greedy by default: the other defaults are moot
+        return {k: v for k, v in values.items() if k in sent or k == "temperature"}
+    return values
+
+
+@hookimpl
+def millm_register_settings(register: Callable[[PluginSetting[Any]], None]) -> None:
+    register(THINKING)
+    register(NO_THINKING)
+
+
+@hookimpl
+def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
+    """A greedy draw takes the likeliest token whatever ``top_p`` or ``top_k`` say, so a
+    greedy request that sends either is refused rather than ignored (penalties change
+    the logits a greedy draw reads, so they stay honoured)."""
+    if ctx.endpoint == "embeddings":
+        return []
+    sent = _sent(request)
+    if _effective(ctx, request).get("temperature", 1.0) != 0.0:
+        return []
+    pointless = [name for name in ("top_p", "top_k") if name in sent and not (name == "top_p" and sent[name] == 1.0)]
+    return [
+        Problem(f"{name} cannot change a greedy (temperature 0) draw; leave it out or sample with temperature > 0", param=name, code="invalid_sampling_parameter")
+        for name in pointless
+    ]
+
+
 @hookimpl
 def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> None:
+    values = _effective(ctx, request)
     changes: dict[str, Any] = {}
-    if _set(request.temperature):
-        changes["temperature"] = float(request.temperature)
-    if _set(request.top_p):
-        changes["top_p"] = float(request.top_p)
-    top_k = TOP_K.get(request)
-    if top_k is not None:
-        changes["top_k"] = int(top_k) or TOP_K_ZERO_MEANS
+    if "temperature" in values:
+        changes["temperature"] = values["temperature"]
+    if "top_p" in values and values.get("temperature", 1.0) != 0.0:
+        changes["top_p"] = values["top_p"]
+    if "top_k" in values and values.get("temperature", 1.0) != 0.0:
+        changes["top_k"] = int(values["top_k"]) or TOP_K_ZERO_MEANS
     if _set(request.seed):
         changes["seed"] = int(request.seed)
         ctx.set_header(SEED_HEADER, seed_header(int(request.seed)))
@@ -95,8 +141,8 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
                 return StopSequences(frozen)
 
             plan.add_processor(_stops)
-    frequency = float(request.frequency_penalty) if _set(request.frequency_penalty) else 0.0
-    presence = float(request.presence_penalty) if _set(request.presence_penalty) else 0.0
+    frequency = values.get("frequency_penalty", 0.0)
+    presence = values.get("presence_penalty", 0.0)
     if frequency or presence:
         def _penalties(_row: RowInfo) -> Penalties:
             return Penalties(frequency, presence)

@@ -54,12 +54,17 @@ class Penalties:
     """OpenAI's frequency and presence penalties over the tokens this row generated:
     ``logit[t] -= frequency * count[t] + presence * (count[t] > 0)``."""
 
-    __slots__ = ("_frequency", "_presence", "_counts")
+    __slots__ = ("_frequency", "_presence", "_counts", "_ids")
+
+    # Penalties read every token the row draws, a reasoning block's included (a row owner
+    # does not hide the row from it).
+    whole_row = True
 
     def __init__(self, frequency: float, presence: float) -> None:
         self._frequency = frequency
         self._presence = presence
         self._counts: dict[int, int] = {}
+        self._ids: list[int] = []  # the row's tokens in order, to forget those taken back
 
     def logit_bias(self) -> dict[int, float] | None:
         if not self._counts:
@@ -70,7 +75,16 @@ class Penalties:
     def on_token(self, token_id: int, text: str) -> tuple[str, bool]:
         if token_id >= 0:
             self._counts[token_id] = self._counts.get(token_id, 0) + 1
+            self._ids.append(token_id)
         return text, False
+
+    def on_rewind(self, k: int) -> None:
+        """The row's latest ``k`` tokens were taken back: they no longer count."""
+        for token in self._ids[len(self._ids) - k :]:
+            self._counts[token] -= 1
+            if not self._counts[token]:
+                del self._counts[token]
+        del self._ids[len(self._ids) - k :]
 
     def flush(self) -> str:
         return ""

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
-from millm_core.logs import configure_logging
 
 MESSAGES = [{"role": "user", "content": "count"}]
 
@@ -23,16 +18,6 @@ def scrape(base_url: str, **kwargs: Any) -> dict[tuple[str, tuple[tuple[str, str
 
 def value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-@pytest.fixture
-def info_logs() -> Iterator[None]:
-    """Log at info for one test (the suite logs at warning), then restore."""
-    configure_logging("console", "info")
-    try:
-        yield
-    finally:
-        configure_logging("console", os.environ.get("MILLM_TEST_LOG_LEVEL", "warning"))
 
 
 def test_requests_tokens_and_latencies_are_counted(make_server, info_logs: None) -> None:  # type: ignore[no-untyped-def]
