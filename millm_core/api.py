@@ -20,7 +20,9 @@ The groups, in the order a plugin meets them:
   ``SamplingParams``, ``ServedModel``, ``ModelRegistry``;
 - OpenAI's request and response contracts;
 - errors (each carries its HTTP status and code; raise them, never build a response);
-- helpers: JSON codec, route helpers, prompt ids, the counter-based RNG, chat formatting,
+- serving a model request from a plugin: ``dispatch`` and its ``Dispatched`` reply
+  (``declares`` says whether an endpoint takes a field on this server);
+- helpers: JSON codec, route helpers (``event_stream``, ``unknown_fields``), prompt ids, the counter-based RNG, chat formatting,
   the steering-set model, SQLite store, logging setup, model loading for commands.
 """
 
@@ -112,10 +114,12 @@ from .prompts import prompt_ids, refuse_empty, with_opening
 from .registry import ModelRegistry, ServedModel
 from .requestfields import RequestField, request_types_with
 from .rng import uniform
+from .server.dispatch import Dispatched, declares, dispatch
 from .server.routes.common import model_endpoint, until_disconnect
-from .server.web import app_context, json_response, read_json
+from .server.web import app_context, event_stream, json_response, read_json
 from .steering import AppliedSet
 from .store import Store
+from .unknown import unknown_fields
 
 __all__ = [
     "GENERATION_ENDPOINTS",
@@ -138,6 +142,7 @@ __all__ = [
     "ConfigError",
     "ContextLengthExceeded",
     "DatabaseBusy",
+    "Dispatched",
     "EmbeddingItem",
     "EmbeddingRequest",
     "EmbeddingResponse",
@@ -202,8 +207,11 @@ __all__ = [
     "cache_root",
     "configure_logging",
     "convert",
+    "declares",
     "decode_json",
+    "dispatch",
     "encode",
+    "event_stream",
     "generic_chat_text",
     "has_tool_history",
     "operator_chat_template",
@@ -222,5 +230,6 @@ __all__ = [
     "request_types_with",
     "split_continuation",
     "uniform",
+    "unknown_fields",
     "until_disconnect",
 ]

@@ -80,13 +80,16 @@ def _generation(summary: str, request: type, response: type, chunk: type) -> dic
 class RouteDoc:
     """How a plugin's route appears in the OpenAPI document: passed as ``doc=`` to the
     ``register`` callable of ``millm_register_routes``. ``request``/``response`` are
-    msgspec Structs (None: no JSON body); ``errors`` are the error statuses it can answer."""
+    msgspec Structs (None: no JSON body); ``errors`` are the error statuses it can answer;
+    ``events``, when set, says that the success status may instead be a Server-Sent Events
+    stream, and describes its events."""
 
     summary: str
     request: type | None = None
     response: type | None = None
     status: int = 200
     errors: tuple[str, ...] = ("400", "404")
+    events: str | None = None
 
 
 Documented = tuple[str, str, RouteDoc]  # (path, method, doc)
@@ -102,6 +105,8 @@ def _operation(path: str, method: str, doc: RouteDoc) -> dict[str, Any]:
     ok: dict[str, Any] = {"description": doc.summary}
     if doc.response is not None:
         ok["content"] = {"application/json": {"schema": _ref(doc.response)}}
+    if doc.events is not None:
+        ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string", "description": doc.events}}
     guarded = ("415",) if method.upper() in ("POST", "PUT", "PATCH", "DELETE") and path.startswith("/api/") else ()
     op["responses"] = {str(doc.status): ok, **_errors(*doc.errors, *(("413",) if doc.request else ()), *guarded)}
     return op

@@ -53,6 +53,8 @@ def _walk(value: Any, info: mi.StructType, prefix: str, out: list[str]) -> None:
     for key, item in value.items():
         field = fields.get(key)
         location = f"{prefix}.{key}" if prefix else key
+        if field is None and key == info.tag_field:  # a tagged Struct's tag ("type") is read, not unknown
+            continue
         if field is None:
             out.append(location)
             continue

@@ -31,6 +31,7 @@ from ..registry import ModelRegistry, ServedModel
 from ..requestfields import build_request_types
 from ..scheduler import Scheduler
 from ..store import Store, default_db_path
+from .dispatch import bind_dispatch
 from .errors import handle_http_exception, handle_millm_error, handle_unexpected
 from .guard import GuardMiddleware
 from .middleware import RequestIdMiddleware
@@ -134,6 +135,7 @@ def create_app(
         state.openapi_json = render(document).encode()
         state.docs_html = html_page(document)
         app.state.millm = state
+        bind_dispatch(state)  # plugins serve model requests of their own through it
         try:
             host.startup(context)
         except Exception as exc:

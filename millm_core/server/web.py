@@ -1,13 +1,16 @@
 """Helpers for plugins' own routes (``millm_register_routes``): the application context of
 a request, its JSON body decoded into a Struct (size-limited, errors in the API's shape),
-and a JSON response."""
+a JSON response, and an event stream that stops its producer when it ends."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from ..codec import convert, decode_json, encode
 from ..context import AppContext
@@ -29,6 +32,27 @@ async def read_json(request: Request, type_: type[T]) -> T:
     return convert(decode_json(raw or b"{}"), type_)
 
 
-def json_response(obj: Any, status: int = 200) -> Response:
-    """``obj`` (a Struct or plain data) as a JSON response."""
-    return Response(encode(obj), status_code=status, media_type="application/json")
+def json_response(obj: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    """``obj`` (a Struct or plain data) as a JSON response, with ``headers`` if given."""
+    return Response(encode(obj), status_code=status, media_type="application/json", headers=dict(headers or {}))
+
+
+class _ClosingStream(StreamingResponse):
+    """Closes its body iterator however the response ends: a client that left while the
+    iterator waited at a ``yield`` would otherwise leave it suspended until collected."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                with contextlib.suppress(BaseException):  # cancelled (shutdown): the response is over
+                    await close()
+
+
+def event_stream(frames: AsyncIterator[bytes], headers: Mapping[str, str] | None = None) -> Response:
+    """A ``text/event-stream`` response of ``frames`` (each already framed as SSE). When it
+    ends — its last frame sent, or its client gone — ``frames`` is closed, so the work
+    behind it stops (a dispatched stream read inside it frees its rows)."""
+    return _ClosingStream(frames, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **(headers or {})})

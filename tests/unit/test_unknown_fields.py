@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from millm_core.contracts.chat import ChatCompletionRequest
 from millm_core.contracts.completions import CompletionRequest
 from millm_core.unknown import unknown_fields
@@ -25,3 +27,16 @@ def test_known_fields_are_not_reported() -> None:
 def test_content_parts_are_walked() -> None:
     raw = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a", "extra": 1}]}]}
     assert unknown_fields(raw, ChatCompletionRequest) == ["messages[0].content[0].extra"]
+
+
+
+class _Tool(msgspec.Struct, tag_field="type", tag="function"):
+    name: str
+
+
+class _Body(msgspec.Struct):
+    tools: list[_Tool]
+
+
+def test_a_tagged_structs_tag_is_not_unknown() -> None:
+    assert unknown_fields({"tools": [{"type": "function", "name": "f", "strict": True}]}, _Body) == ["tools[0].strict"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 import structlog
@@ -69,31 +69,50 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
     return b"".join(chunks)
 
 
-async def decode_request(request: Request, endpoint: Endpoint) -> Admission:
-    """Decode the body into the endpoint's request type in one typed pass; record the
-    fields it does not declare (reported) and the known output-changing ones that nothing
-    enabled declares (refused in admission)."""
-    state = app_state(request)
+def check_loaded(state: AppState) -> None:
+    """Refuse with 503 while no model is loaded (still loading, or its load failed)."""
     if not len(state.models):
         # The load error's text stays in the log (model_load_failed): it may name paths.
         failed = f" (the model failed to load: {state.load_error.split(':', 1)[0]})" if state.load_error else ""
         reason = failed or (" (still loading)" if state.loading else "")
         raise ModelNotLoaded(f"No model is loaded{reason}; retry when GET /api/health/ready answers 200")
+
+
+def decode_body(
+    state: AppState, endpoint: Endpoint, raw: Any, *, request_id: str, headers: dict[str, str], access_log: dict[str, Any]
+) -> Admission:
+    """Decode a parsed JSON body into the endpoint's request type in one typed pass;
+    record the fields it does not declare (reported) and the known output-changing ones
+    that nothing enabled declares (refused in admission)."""
     type_ = state.request_types[endpoint]
-    raw = decode_json(await read_body(request, state.settings.max_body_bytes, state.settings.read_timeout))
     decoded = convert(raw, type_)
     ctx = RequestContext(
-        request_id=request.scope.get("state", {}).get("request_id") or mint_request_id(),
+        request_id=request_id,
         endpoint=endpoint,
         settings=state.settings,
-        headers=joined_headers(request.headers.items()),
+        headers=headers,
         app=state.app,
         stream=bool(getattr(decoded, "stream", False)),
-        access_log=request.scope.setdefault("state", {}),
+        access_log=access_log,
     )
     # A known field is either refused (non-neutral) or asks for nothing: never "unused".
     ctx.ignored_fields.extend(loc for loc in unknown_fields(raw, type_) if loc not in KNOWN_FIELDS)
     return Admission(state=state, ctx=ctx, request=decoded, refused_known=known_refusals(raw, type_.__struct_fields__))
+
+
+async def decode_request(request: Request, endpoint: Endpoint) -> Admission:
+    """The HTTP request's body, read (size- and time-limited) and decoded (:func:`decode_body`)."""
+    state = app_state(request)
+    check_loaded(state)
+    raw = decode_json(await read_body(request, state.settings.max_body_bytes, state.settings.read_timeout))
+    return decode_body(
+        state,
+        endpoint,
+        raw,
+        request_id=request.scope.get("state", {}).get("request_id") or mint_request_id(),
+        headers=joined_headers(request.headers.items()),
+        access_log=request.scope.setdefault("state", {}),
+    )
 
 
 def log_unused(ctx: RequestContext) -> None:
@@ -102,11 +121,36 @@ def log_unused(ctx: RequestContext) -> None:
         log.warning("request_fields_unused", locations=ctx.ignored_fields, endpoint=ctx.endpoint)
 
 
+# How a non-streamed request's work is awaited: cancelled when its client leaves (the
+# HTTP route), or as it is (a request served from a plugin's background task).
+Guard = Callable[[Coroutine[Any, Any, Response]], Awaitable[Response]]
+
+
 async def serve(request: Request, endpoint: Endpoint) -> Response:
     """Every model endpoint: decode, admit (every early refusal), then the first plugin
     that takes the request serves it (``millm_execute``)."""
     admission = await decode_request(request, endpoint)
+    return await respond_to(admission, lambda work: until_disconnect(request, work))
+
+
+def _report_unused(ctx: RequestContext, reported: Sequence[str], rename: Callable[[str], str] | None) -> None:
+    """Strict mode and the unused-fields log, once every place that can report a field
+    ran; a caller serving this request for another API adds its own locations first and
+    names the endpoint's in its own terms (``rename``)."""
+    if reported or rename is not None:
+        ctx.ignored_fields[:] = [*reported, *(map(rename, ctx.ignored_fields) if rename is not None else ctx.ignored_fields)]
+    refuse_unused_if_strict(ctx)
+    log_unused(ctx)
+
+
+async def respond_to(
+    admission: Admission, guard: Guard, *, reported: Sequence[str] = (), rename: Callable[[str], str] | None = None
+) -> Response:
+    """Admit a decoded request and serve it: the first plugin that takes it
+    (``millm_execute``) runs it. A stream is returned as soon as it may start; it notices
+    a disconnect itself. ``reported`` and ``rename``: see :func:`_report_unused`."""
     state, ctx, body = admission.state, admission.ctx, admission.request
+    endpoint = ctx.endpoint
     model = admit(admission)
     if endpoint != "embeddings":
         await render_prompts(
@@ -116,12 +160,11 @@ async def serve(request: Request, endpoint: Endpoint) -> Response:
     if isinstance(execution, Generate) and endpoint != "embeddings":
         prepared = prepare_generation(state, ctx, body, model)
         try:
-            refuse_unused_if_strict(ctx)  # after every place that can report a field
-            log_unused(ctx)
+            _report_unused(ctx, reported, rename)  # after every place that can report a field
             shapes = CHAT_SHAPES if endpoint == "chat.completions" else COMPLETION_SHAPES
             if ctx.stream:
                 return stream(state, prepared, shapes)  # a stream notices a disconnect itself, and releases its claim
-            return await until_disconnect(request, complete(state, prepared, shapes))
+            return await guard(complete(state, prepared, shapes))
         except BaseException:
             prepared.release()
             raise
@@ -129,14 +172,13 @@ async def serve(request: Request, endpoint: Endpoint) -> Response:
             if not ctx.stream:
                 prepared.release()
     if isinstance(execution, Compute):
-        refuse_unused_if_strict(ctx)
-        log_unused(ctx)
+        _report_unused(ctx, reported, rename)
         run = execution.run
 
         async def computed() -> Response:
             return reply(state, ctx, body, model, await run())
 
-        return await until_disconnect(request, computed())
+        return await guard(computed())
     enabled = ", ".join(n for n in state.host.names() if n != "core") or "none"
     raise FieldNotHonoured(
         f"no enabled plugin serves this {endpoint} request (enabled plugins: {enabled})"

@@ -1,0 +1,140 @@
+"""``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{response_id}``.
+
+A request is translated (:mod:`.translate`), served as a chat completion through the core's
+one pipeline (``dispatch``, with this request as the outer one: a client that leaves
+cancels it), and its reply translated back (:mod:`.output`, :mod:`.events`). Chat's
+refusals come back with chat's status, code and message, naming this API's fields; the
+chat reply's ``X-miLLM-*`` headers are this response's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from millm_core.api import (
+    Dispatched,
+    MillmError,
+    NotFound,
+    StashKey,
+    app_context,
+    dispatch,
+    event_stream,
+    json_response,
+    read_json,
+)
+
+from .events import ResponseStream, sse
+from .objects import DeletedResponse
+from .output import from_completion, started
+from .sealing import Sealer
+from .storage import ResponseStore
+from .translate import Translation, translate
+
+CLIENT_CLOSED = 499  # the inner request's answer when this request's client left
+
+
+@dataclass
+class ResponsesState:
+    """The plugin's per-server state: the stored responses and the reasoning sealer."""
+
+    store: ResponseStore
+    sealer: Sealer
+
+
+STATE = StashKey[ResponsesState]("responses.state")
+
+
+class ResponseNotFound(NotFound):
+    """404: no stored response has this id."""
+
+    code = "response_not_found"
+
+
+def _not_found(response_id: str, param: str | None) -> ResponseNotFound:
+    return ResponseNotFound(
+        f"no stored response has the id {response_id!r} (it was never stored, was sent with store: false, was deleted, or was evicted)",
+        param=param,
+    )
+
+
+def _refusal(reply: Dispatched) -> MillmError:
+    """Chat's error reply as this request's error: the same status, type, code, message
+    and param (already in this API's names), and headers such as ``Retry-After``."""
+    error = reply.json().get("error") or {}
+    headers = {k: v for k, v in reply.headers.items() if k not in ("content-type", "content-length")}
+    exc = MillmError(str(error.get("message", "")), code=error.get("code"), param=error.get("param"), status=reply.status, headers=headers)
+    exc.type = str(error.get("type") or exc.type)
+    return exc
+
+
+async def _stored_history(state: ResponsesState, raw: dict[str, Any]) -> list[dict[str, Any]]:
+    previous = raw.get("previous_response_id")
+    if not isinstance(previous, str):
+        return []
+    stored = await asyncio.to_thread(state.store.get, previous)
+    if stored is None:
+        raise _not_found(previous, "previous_response_id")
+    return stored.conversation
+
+
+async def create_response(request: Request) -> Response:
+    """``POST /v1/responses``."""
+    state = app_context(request).stash[STATE]
+    raw = await read_json(request, dict[str, Any])
+    translation = translate(raw, await _stored_history(state, raw), state.sealer)
+    reply = await dispatch(request, "chat.completions", translation.chat, reported=translation.reported, rename=translation.rename)
+    if reply.status == CLIENT_CLOSED:
+        return Response(status_code=CLIENT_CLOSED)
+    if reply.status != 200:
+        raise _refusal(reply)
+    headers = reply.millm_headers()
+    if reply.streaming:
+        stream = ResponseStream(translation, started(translation, headers.get("x-millm-model", "")), state.sealer)
+        return event_stream(_frames(reply, stream, translation, state), headers=headers)
+    body = from_completion(translation, reply.json(), state.sealer)
+    if translation.store:
+        await asyncio.to_thread(state.store.put, body, translation.history)
+    return json_response(body, headers=headers)
+
+
+async def _frames(reply: Dispatched, stream: ResponseStream, translation: Translation, state: ResponsesState) -> AsyncIterator[bytes]:
+    """The event stream; the finished response is stored (unless ``store: false``). If
+    this response's client leaves, the chat stream is closed with it."""
+    async with reply:
+        for event in stream.start():
+            yield sse(event)
+        async for chunk in reply.events():
+            for event in stream.feed(chunk):
+                yield sse(event)
+            if stream.response.status == "failed":
+                return
+        if not reply.finished:
+            return  # cut short: no final event
+        closing = stream.end()
+        if translation.store and stream.final is not None:  # stored before the client hears it is done
+            await asyncio.to_thread(state.store.put, stream.final, translation.history)
+        for event in closing:
+            yield sse(event)
+
+
+async def get_response(request: Request) -> Response:
+    """``GET /v1/responses/{response_id}``: a stored response, as it was answered."""
+    response_id = request.path_params["response_id"]
+    stored = await asyncio.to_thread(app_context(request).stash[STATE].store.get, response_id)
+    if stored is None:
+        raise _not_found(response_id, None)
+    return json_response(stored.response)
+
+
+async def delete_response(request: Request) -> Response:
+    """``DELETE /v1/responses/{response_id}``."""
+    response_id = request.path_params["response_id"]
+    if not await asyncio.to_thread(app_context(request).stash[STATE].store.delete, response_id):
+        raise _not_found(response_id, None)
+    return json_response(DeletedResponse(id=response_id))
