@@ -98,15 +98,18 @@ class GGUFEngine:
     def token_text(self, token_id: int) -> str:
         return self.llm.piece(token_id, special=True).decode("utf-8", errors="replace")
 
-    def chat_text(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    def chat_text(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None, template_kwargs: Mapping[str, Any] | None = None
+    ) -> str:
         """The chat rendered with the file's embedded template (the fallback format
         without one), ready for the assistant; a trailing assistant message continues.
-        ``tools`` are given to the template as its ``tools`` variable."""
+        ``tools`` are given to the template as its ``tools`` variable, ``template_kwargs``
+        (a request's ``chat_template_kwargs``) as variables of their own."""
         if not self.chat_template:
             refuse_tools_without_template(messages, tools)
-        return render_with_continuation(lambda head: self._render(head, tools), messages)
+        return render_with_continuation(lambda head: self._render(head, tools, template_kwargs or {}), messages)
 
-    def _render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> str:
+    def _render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None, template_kwargs: Mapping[str, Any]) -> str:
         if not self.chat_template:
             return generic_chat_text(messages)
         from jinja2.exceptions import TemplateError
@@ -126,6 +129,7 @@ class GGUFEngine:
         try:
             extra: dict[str, Any] = {"tools": [dict(t) for t in tools]} if tools is not None else {}
             return env.from_string(self.chat_template).render(
+                **template_kwargs,
                 messages=[dict(m) for m in messages],
                 **extra,
                 add_generation_prompt=True,
@@ -140,11 +144,11 @@ class GGUFEngine:
             ) from exc
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], /, *, tools: Sequence[Mapping[str, Any]] | None = None, **_: Any
+        self, messages: Sequence[Mapping[str, Any]], /, *, tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs: Any
     ) -> list[int]:
         """The BOS rule: a render that begins with the BOS text gets no second BOS;
         otherwise the model's own add-BOS rule applies."""
-        text = self.chat_text(messages, tools)
+        text = self.chat_text(messages, tools, template_kwargs)
         own_bos = bool(self._bos_text) and text.startswith(self._bos_text)
         return self.llm.tokenize(text, add_special=not own_bos)
 

@@ -25,7 +25,7 @@ MILLM_PLUGIN_KIND = "engine"
 NAME = "gguf"
 ENGINE = "llama.cpp"
 CAPABILITIES = frozenset(
-    {Capability.GENERATE, Capability.EMBEDDINGS, Capability.STRUCTURED_OUTPUT, Capability.TOOLS, Capability.REWIND}
+    {Capability.GENERATE, Capability.EMBEDDINGS, Capability.STRUCTURED_OUTPUT, Capability.TOOLS, Capability.REWIND, Capability.CHAT_TEMPLATE_KWARGS}
 )
 
 

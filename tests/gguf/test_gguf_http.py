@@ -109,7 +109,7 @@ def test_context_length_is_measured_before_llama_cpp(gguf_server, gguf_model) ->
     assert str(limit) in resp.json()["error"]["message"]
 
 
-def test_template_kwargs_and_tool_history_are_reported(gguf_server) -> None:  # type: ignore[no-untyped-def]
+def test_tool_history_is_reported_and_template_kwargs_are_template_variables(gguf_server) -> None:  # type: ignore[no-untyped-def]
     messages = [
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
@@ -119,7 +119,11 @@ def test_template_kwargs_and_tool_history_are_reported(gguf_server) -> None:  # 
     resp = post(gguf_server, "/v1/chat/completions", model="tiny:F32", messages=messages, max_tokens=4, chat_template_kwargs={"enable_thinking": False})
     assert resp.status_code == 200, resp.text
     ignored = resp.headers["x-millm-ignored-fields"]
-    assert '"chat_template_kwargs"' in ignored and '"messages[1].tool_calls"' in ignored
+    assert '"chat_template_kwargs"' not in ignored and '"messages[1].tool_calls"' in ignored
+    # The variables reach the template (tests/reasoning/test_reasoning_gguf.py renders one
+    # that reads them): an undefined one changes nothing, so the prompt is the same.
+    plain = post(gguf_server, "/v1/chat/completions", model="tiny:F32", messages=messages, max_tokens=4)
+    assert resp.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
 
 
 @pytest.mark.parametrize("which", ["gguf_server", "server"])
