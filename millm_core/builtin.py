@@ -30,6 +30,7 @@ def _sent(value: Any) -> bool:
 @hookimpl
 def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
     register(FieldRule("add_special_tokens", ("completions",), by=NAME))
+    register(FieldRule("extra_messages", ("chat.completions",), by=NAME))
     register(FieldRule("chat_template_kwargs", ("chat.completions",), by=NAME, requires=Capability.CHAT_TEMPLATE_KWARGS))
     # An engine whose template rendering takes no kwargs accepts them and reports them unused.
     register(FieldRule("chat_template_kwargs", ("chat.completions",), by=NAME, condition="reported in X-miLLM-Ignored-Fields: this engine's templates take none"))
@@ -52,7 +53,9 @@ def millm_validate(ctx: RequestContext, request: Any) -> Iterable[Problem]:
     if ctx.stream and _sent(request.n) and request.n > 1:
         problems.append(Problem("n > 1 is not available with stream: true; send n: 1 or stream: false", param="n"))
     n = request.n if _sent(request.n) else 1
-    prompts = len(request.prompts()) if ctx.endpoint == "completions" else 1
+    prompts = len(request.prompts()) if ctx.endpoint == "completions" else len(request.conversations())
+    if prompts > 1 and n > 1 and ctx.endpoint == "chat.completions":
+        problems.append(Problem("n > 1 and extra_messages together are not served: each conversation is one choice; send one of them", param="n"))
     limit = ctx.settings.max_rows_per_request
     if prompts * n > limit:
         problems.append(

@@ -3,7 +3,7 @@ the forward plan, the outcome and the finalisation."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -34,13 +34,19 @@ class ChatRender:
     unused. ``tools`` becomes the template's ``tools`` variable (engines with
     :attr:`~millm_core.engine.Capability.TOOLS`). ``opening`` is text the assistant's turn
     starts with: it is part of the prompt, never of the response (a forced tool call's
-    opening, for example)."""
+    opening, for example). A request with ``extra_messages`` renders each conversation in
+    its own ``ChatRender`` (``millm_render_chat`` runs once per conversation): read the
+    sent messages from ``source``, never from ``request.messages``."""
 
     messages: list[dict[str, Any]]
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None
     opening: str = ""
     rendered_fields: set[str] = field(default_factory=set)
+    # Which of the request's conversations this is (0: ``messages``; i: ``extra_messages[i - 1]``)
+    # and its messages as the request sent them (``ChatMessage``s, aligned with ``messages``).
+    conversation: int = 0
+    source: Sequence[Any] = ()
 
 
 @dataclass(frozen=True)

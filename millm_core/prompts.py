@@ -13,7 +13,7 @@ from .context import RequestContext
 from .contracts.chat import ChatCompletionRequest
 from .contracts.completions import CompletionRequest
 from .engine import Capability
-from .errors import ContextLengthExceeded, InvalidRequest, ServiceUnavailable
+from .errors import ContextLengthExceeded, InvalidRequest, MillmError, ServiceUnavailable
 from .pipeline_types import ChatRender
 from .registry import ServedModel
 
@@ -32,12 +32,17 @@ def _int(value: Any) -> int:
     return value
 
 
-def _unread_message_fields(request: ChatCompletionRequest, rendered: set[str]) -> list[str]:
+def _where(conversation: int) -> str:
+    """The location of a conversation's messages in the request body."""
+    return "messages" if conversation == 0 else f"extra_messages[{conversation - 1}]"
+
+
+def _unread_message_fields(chat: ChatRender) -> list[str]:
     unread: list[str] = []
-    for index, message in enumerate(request.messages):
+    for index, message in enumerate(chat.source):
         for name in message.__struct_fields__:
-            if name not in RENDERED_MESSAGE_FIELDS and name not in rendered and _sent(getattr(message, name)):
-                unread.append(f"messages[{index}].{name}")
+            if name not in RENDERED_MESSAGE_FIELDS and name not in chat.rendered_fields and _sent(getattr(message, name)):
+                unread.append(f"{_where(chat.conversation)}[{index}].{name}")
     return unread
 
 
@@ -74,14 +79,28 @@ def prompt_ids(
             kwargs = {}
         if "tools" in kwargs:  # the render's own parameter, set by plugins (the request's ``tools``)
             raise InvalidRequest("chat_template_kwargs may set template variables only; tools cannot be set by a request", param="chat_template_kwargs.tools")
-        chat = ChatRender(messages=[{"role": m.role, "content": m.text()} for m in request.messages], template_kwargs=dict(kwargs))
-        if adjust is not None:
-            adjust(chat)
-        ctx.ignored_fields.extend(_unread_message_fields(request, chat.rendered_fields))
-        messages = with_opening(chat.messages, chat.opening)
-        if chat.tools is not None:
-            return [engine.render_chat(messages, tools=chat.tools, **chat.template_kwargs)]
-        return [engine.render_chat(messages, **chat.template_kwargs)]
+        prompts: list[list[int]] = []
+        for conversation, sent in enumerate(request.conversations()):
+            chat = ChatRender(
+                messages=[{"role": m.role, "content": m.text()} for m in sent],
+                template_kwargs=dict(kwargs),
+                conversation=conversation,
+                source=sent,
+            )
+            if adjust is not None:
+                adjust(chat)
+            ctx.ignored_fields.extend(_unread_message_fields(chat))
+            messages = with_opening(chat.messages, chat.opening)
+            try:
+                if chat.tools is not None:
+                    prompts.append(engine.render_chat(messages, tools=chat.tools, **chat.template_kwargs))
+                else:
+                    prompts.append(engine.render_chat(messages, **chat.template_kwargs))
+            except MillmError as exc:
+                if conversation and exc.param == "messages":  # name the conversation that failed
+                    exc.param = _where(conversation)
+                raise
+        return prompts
     add_special = request.add_special_tokens if _sent(request.add_special_tokens) else True
     # An empty prompt is returned as is: each path refuses it with its own error.
     return [engine.encode(text, add_special_tokens=bool(add_special)) for text in request.prompts()]

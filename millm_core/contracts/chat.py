@@ -41,11 +41,22 @@ class ChatMessage(msgspec.Struct, kw_only=True):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(SamplingFields, kw_only=True):
-    """A chat completion request: OpenAI's fields that the core serves (plugins add theirs)."""
+Conversation = Annotated[list[ChatMessage], Meta(min_length=1)]
 
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    """A chat completion request: OpenAI's fields that the core serves (plugins add theirs).
+    ``extra_messages`` (a millm extension): more conversations, each served as its own
+    choice (index 1, 2, … after ``messages``), in one batch."""
+
+    messages: Conversation
+    extra_messages: Annotated[list[Conversation], Meta(max_length=255)] | None | UnsetType = UNSET
     chat_template_kwargs: dict[str, Any] | None | UnsetType = UNSET
+
+    def conversations(self) -> list[list[ChatMessage]]:
+        """``messages``, then each of ``extra_messages``."""
+        extra = self.extra_messages if isinstance(self.extra_messages, list) else []
+        return [self.messages, *extra]
 
 
 # A chat choice may also end because the model called tools.

@@ -62,7 +62,6 @@ KNOWN_FIELDS: Mapping[str, Callable[[Any], bool]] = {
     "circuit": _never,
     "return_sae_activations": _never,
     "probes": _never,
-    "extra_messages": lambda v: v == [],
     "thinking_budget": _never,
     "enable_thinking": _never,
     "class": lambda v: v == "interactive",

@@ -54,6 +54,8 @@ def shape_problems(ctx: Any, request: Any, asked: ReturnSAEActivations, max_top_
         problems.append(Problem("return_sae_activations reads one row; send n: 1 (there is no single position axis)", param="n"))
     if ctx.endpoint == "completions" and len(request.prompts()) > 1:
         problems.append(Problem("return_sae_activations reads one row; send one prompt (there is no single position axis)", param="prompt"))
+    if ctx.endpoint == "chat.completions" and len(request.conversations()) > 1:
+        problems.append(Problem("return_sae_activations reads one row; send no extra_messages (there is no single position axis)", param="extra_messages"))
     if asked.top_k > max_top_k:
         problems.append(Problem(f"top_k {asked.top_k} is over this server's limit of {max_top_k}", param=f"{PARAM}.top_k"))
     if isinstance(asked.positions, PositionRange) and asked.positions.end <= asked.positions.start:

@@ -8,7 +8,7 @@ requests are ``not_monitored``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,18 +62,23 @@ def _skip(state: ProbesState, ctx: RequestContext, model: ServedModel, armed: Ar
     return None, sae
 
 
-def placement(ctx: RequestContext, alt: AltRender | None) -> Placement | None:
-    """Where ``last_user`` is in this request's served prompt (None: not a chat)."""
+def placements(ctx: RequestContext, alts: Mapping[int, AltRender]) -> tuple[Placement, ...] | None:
+    """Where ``last_user`` is in each of this request's served prompts, by conversation
+    (None: not a chat)."""
     if ctx.endpoint != "chat.completions":
         return None
-    if alt is None or alt.ids is None:
-        return Placement(None, alt.reason if alt is not None else "window_unplaced")
-    served = ctx.prompts[0] if ctx.prompts else []
-    return place(served, alt.ids)
+    out: list[Placement] = []
+    for index, served in enumerate(ctx.prompts or []):
+        alt = alts.get(index)
+        if alt is None or alt.ids is None:
+            out.append(Placement(None, alt.reason if alt is not None else "window_unplaced"))
+        else:
+            out.append(place(served, alt.ids))
+    return tuple(out)
 
 
 def monitor_for(state: ProbesState, ctx: RequestContext, plan: ForwardPlan, armed: Sequence[Armed], trace: Trace,
-                alt: AltRender | None) -> Monitor:  # fmt: skip
+                alts: Mapping[int, AltRender]) -> Monitor:  # fmt: skip
     """The request's monitor; adds its taps to ``plan`` (only where the engine can tap)."""
     model = ctx.model
     assert model is not None
@@ -98,7 +103,7 @@ def monitor_for(state: ProbesState, ctx: RequestContext, plan: ForwardPlan, arme
     needs_user = any("last_user" in probe.windows for probe in armed)
     return Monitor(
         trace=trace, served=request_served(ctx, model, generation=True), entries=entries, groups=groups,
-        last_user=placement(ctx, alt) if needs_user else None,
+        last_users=placements(ctx, alts) if needs_user else None,
         steered_layers=frozenset(plan.deltas),
     )  # fmt: skip
 

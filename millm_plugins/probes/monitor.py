@@ -159,20 +159,28 @@ class Monitor:
     served: Served  # the request-level part; per row, choice and prompt index are set
     entries: list[Entry]
     groups: tuple[Group, ...]
-    last_user: Placement | None  # None: not a chat
+    last_users: tuple[Placement, ...] | None  # per conversation (prompt index); None: not a chat
     steered_layers: frozenset[int]
     rows: list[RowMonitor] = field(default_factory=list)
 
     def processor(self, info: RowInfo) -> RowMonitor:
-        row = RowMonitor(info, self.groups, tuple(self._ranges(index, info.prompt_tokens) for index in range(len(self.groups))))
+        row = RowMonitor(info, self.groups, tuple(self._ranges(index, info) for index in range(len(self.groups))))
         self.rows.append(row)
         return row
 
-    def _ranges(self, group: int, prompt_tokens: int) -> dict[str, Span]:
-        """The positions of each window the group's probes report, in a row of
-        ``prompt_tokens`` prompt tokens (``last_user`` only where it is placed)."""
+    def last_user(self, info: RowInfo) -> Placement | None:
+        """Where ``last_user`` is in this row's prompt (None: not a chat)."""
+        if self.last_users is None:
+            return None
+        return self.last_users[info.prompt_index] if info.prompt_index < len(self.last_users) else Placement(None, "window_unplaced")
+
+    def _ranges(self, group: int, info: RowInfo) -> dict[str, Span]:
+        """The positions of each window the group's probes report, in this row's prompt
+        (``last_user`` only where it is placed)."""
+        prompt_tokens = info.prompt_tokens
         wanted = {w for e in self.entries if e.group == group and e.skip is None for w in e.armed.windows}
-        placed = self.last_user.span if self.last_user is not None else None
+        last_user = self.last_user(info)
+        placed = last_user.span if last_user is not None else None
         ranges = {"all": (0, INF), "prompt": (0, prompt_tokens), "response": (prompt_tokens, INF), "last_user": placed}
         return {w: span for w, span in ranges.items() if w in wanted and span is not None}
 
@@ -195,12 +203,13 @@ class Monitor:
             return Finding("skipped", entry.skip)
         if row.failed is not None:
             return Finding("error", "probe_failed")
+        last_user = self.last_user(row.info)
         if window == "last_user":
-            if self.last_user is None:
+            if last_user is None:
                 return Finding("skipped", "not_a_chat")
-            if self.last_user.span is None:
-                return Finding("skipped", self.last_user.reason)
-        span = span_of(window, row.info.prompt_tokens, row.fed, self.last_user.span if self.last_user else None)
+            if last_user.span is None:
+                return Finding("skipped", last_user.reason)
+        span = span_of(window, row.info.prompt_tokens, row.fed, last_user.span if last_user else None)
         assert span is not None
         detector: Detector = entry.armed.detector
         value = row.value(entry.group, window, entry.column, detector.aggregation) if span[1] > span[0] else None

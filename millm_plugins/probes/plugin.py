@@ -47,7 +47,7 @@ from .windows import blanked, last_user_index
 BODY_KEY = "millm_probe_verdicts"
 CLOSING_ORDER = 10  # before SAE activations (20) and the steering report (90)
 MONITOR = StashKey[Monitor]("probes.monitor")
-ALT = StashKey[AltRender]("probes.alt_render")
+ALT = StashKey[dict[int, AltRender]]("probes.alt_render")  # per conversation
 
 
 @hookimpl
@@ -87,7 +87,7 @@ def millm_render_chat(ctx: RequestContext, request: Any, model: ServedModel, cha
         return
     index = last_user_index(chat.messages)
     if index is None:
-        ctx.stash[ALT] = AltRender(None, "no_user_message")
+        ctx.stash.setdefault(ALT, dict)[chat.conversation] = AltRender(None, "no_user_message")
         return
     messages = with_opening(blanked(chat.messages, index), chat.opening)
     try:
@@ -96,9 +96,9 @@ def millm_render_chat(ctx: RequestContext, request: Any, model: ServedModel, cha
         else:
             ids = model.engine.render_chat(messages, **chat.template_kwargs)
     except Exception:  # noqa: BLE001 - a template that refuses the emptied message: the window is not placed
-        ctx.stash[ALT] = AltRender(None, "window_unplaced")
+        ctx.stash.setdefault(ALT, dict)[chat.conversation] = AltRender(None, "window_unplaced")
         return
-    ctx.stash[ALT] = AltRender(tuple(ids))
+    ctx.stash.setdefault(ALT, dict)[chat.conversation] = AltRender(tuple(ids))
 
 
 @hookimpl(trylast=True)
@@ -111,7 +111,8 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
     armed = state.book.armed  # one snapshot for the whole request
     if not armed:
         return
-    monitor = monitor_for(state, ctx, plan, armed, request_trace(ctx), ctx.stash[ALT] if ALT in ctx.stash else None)
+    alts: dict[int, AltRender] = ctx.stash[ALT] if ALT in ctx.stash else {}
+    monitor = monitor_for(state, ctx, plan, armed, request_trace(ctx), alts)
     ctx.stash[MONITOR] = monitor
     plan.add_processor(monitor.processor)
 

@@ -101,7 +101,7 @@ def millm_render_chat(ctx: RequestContext, request: Any, model: ServedModel, cha
     if fmt is None:
         return
     if "reasoning_content" in template:
-        for message, target in zip(request.messages, chat.messages, strict=True):
+        for message, target in zip(chat.source, chat.messages, strict=True):
             reasoning = getattr(message, "reasoning_content", None)
             if isinstance(reasoning, str) and reasoning:
                 target["reasoning_content"] = reasoning

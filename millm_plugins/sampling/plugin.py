@@ -68,9 +68,14 @@ def millm_execute(ctx: RequestContext, request: Any, model: ServedModel) -> Exec
     return Generate()
 
 
-def seed_header(seed: int) -> str:
-    """``X-miLLM-Seed`` value: the seed and the scope of the reproducibility promise."""
-    return f'{seed};scope="request"'
+def seed_header(seed: int, request: Any = None) -> str:
+    """``X-miLLM-Seed`` value: the seed and the scope of the reproducibility promise. A
+    chat with ``extra_messages`` promises ``batch-shape``: a conversation's sampled rows
+    draw on their place in the request (its choice index), so the same conversation sent
+    in another composition draws differently."""
+    extra = getattr(request, "extra_messages", None)
+    scope = "batch-shape" if isinstance(extra, list) and extra else "request"
+    return f'{seed};scope="{scope}"'
 
 
 def _sent(request: Any) -> dict[str, float]:
@@ -128,7 +133,7 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
         changes["top_k"] = int(values["top_k"]) or TOP_K_ZERO_MEANS
     if _set(request.seed):
         changes["seed"] = int(request.seed)
-        ctx.set_header(SEED_HEADER, seed_header(int(request.seed)))
+        ctx.set_header(SEED_HEADER, seed_header(int(request.seed), request))
     if changes:
         plan.sampling = msgspec.structs.replace(plan.sampling, **changes)
 
@@ -155,4 +160,4 @@ def millm_finalize(ctx: RequestContext, request: Any, outcome: Outcome, out: Fin
     """A scored request's seed changes nothing it returns, but the promise is stated the
     same way as for generation (pre-forward already set it there)."""
     if outcome.kind == "scoring" and ctx.endpoint != "embeddings" and _set(request.seed):
-        out.headers[SEED_HEADER] = seed_header(int(request.seed))
+        out.headers[SEED_HEADER] = seed_header(int(request.seed), request)

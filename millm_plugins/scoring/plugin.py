@@ -177,7 +177,8 @@ def _prompts(ctx: RequestContext, request: Any, model: ServedModel, engine: Scor
                 code="no_chat_template",
                 param="messages",
             )
-        return prompt_ids(ctx, request, model), [""]
+        prompts = prompt_ids(ctx, request, model)
+        return prompts, [""] * len(prompts)
     prompts = prompt_ids(ctx, request, model)
     refuse_empty(request, prompts, code="invalid_scoring_request")
     return prompts, request.prompts()
@@ -188,7 +189,7 @@ def _check_context(prompts: list[list[int]], model: ServedModel, chat: bool) -> 
     limit = model.info.context_length
     for index, ids in enumerate(prompts):
         if len(ids) > limit:
-            where = "messages" if chat else ("prompt" if len(prompts) == 1 else f"prompt[{index}]")
+            where = ("messages" if index == 0 else f"extra_messages[{index - 1}]") if chat else ("prompt" if len(prompts) == 1 else f"prompt[{index}]")
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {limit} tokens. However, the prompt to score has {len(ids)} tokens. "
                 "Shorten the prompt.",
@@ -209,7 +210,16 @@ async def _score(ctx: RequestContext, request: Any, model: ServedModel, prompts:
     float32 = precision == "float32"
     device, headroom = DEVICE.get(ctx.settings), HEADROOM.get(ctx.settings)
     reads = [work for reader in readers(ctx.app) if (work := reader.prepare(ctx, request, model, prompts)) is not None]
-    logits = await ctx.app.run_model(lambda: engine.next_token_logits(prompts, float32=float32, float32_device=device, headroom_mb=headroom))
+    if chat:
+        # Each conversation alone (a padded batch moves logprobs in their last digits): a
+        # conversation's scores never depend on the others sent with it.
+        rows = [
+            await ctx.app.run_model(lambda one=one: engine.next_token_logits([one], float32=float32, float32_device=device, headroom_mb=headroom))
+            for one in prompts
+        ]
+        logits: Any = [row[0] for row in rows]
+    else:
+        logits = await ctx.app.run_model(lambda: engine.next_token_logits(prompts, float32=float32, float32_device=device, headroom_mb=headroom))
     for work in reads:
         await ctx.app.run_model(work)
     temperature = float(request.temperature) if _sent(request.temperature) else 0.0
@@ -226,18 +236,20 @@ async def _score(ctx: RequestContext, request: Any, model: ServedModel, prompts:
     usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0, total_tokens=prompt_tokens)
     headers: dict[str, str] = {PRECISION_HEADER: str(precision)} if precision else {}
     outcome_choices: list[ChoiceResult] = []
-    if chat:
-        scored = score_row(logits[0], allowed, temperature, min(top, len(allowed)) if allowed else top)
-        token, logprob = scored.best
-        text = engine.token_text(token)
-        logprobs = None
-        if wants:
-            tops = [TopLogprob(token=_key(engine, t, by_id), logprob=lp, bytes=list(engine.token_text(t).encode())) for t, lp in scored.candidates]
-            logprobs = ChatLogprobs(content=[TokenLogprob(token=_key(engine, token, by_id), logprob=logprob, bytes=list(text.encode()), top_logprobs=tops)])
-        choice = ChatScoringChoice(index=0, message=ScoredMessage(content=text), logprobs=logprobs)
-        outcome_choices.append(ChoiceResult(index=0, text=text, finish_reason="length", completion_tokens=0))
+    if chat:  # one choice per conversation (messages, then each of extra_messages)
+        chat_choices = []
+        for index, row in enumerate(logits):
+            scored = score_row(row, allowed, temperature, min(top, len(allowed)) if allowed else top)
+            token, logprob = scored.best
+            text = engine.token_text(token)
+            logprobs = None
+            if wants:
+                tops = [TopLogprob(token=_key(engine, t, by_id), logprob=lp, bytes=list(engine.token_text(t).encode())) for t, lp in scored.candidates]
+                logprobs = ChatLogprobs(content=[TokenLogprob(token=_key(engine, token, by_id), logprob=logprob, bytes=list(text.encode()), top_logprobs=tops)])
+            chat_choices.append(ChatScoringChoice(index=index, message=ScoredMessage(content=text), logprobs=logprobs))
+            outcome_choices.append(ChoiceResult(index=index, text=text, finish_reason="length", completion_tokens=0))
         body: msgspec.Struct = ChatScoringResponse(
-            id=f"chatcmpl-{rid}", created=created, model=info.served_name, system_fingerprint=info.system_fingerprint, choices=[choice], usage=usage
+            id=f"chatcmpl-{rid}", created=created, model=info.served_name, system_fingerprint=info.system_fingerprint, choices=chat_choices, usage=usage
         )
     else:
         choices = []

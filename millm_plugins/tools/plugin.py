@@ -216,12 +216,12 @@ def _too_big(schema: dict[str, Any]) -> str | None:
     return None
 
 
-def _history(chat: ChatRender, request: Any, template: str) -> None:
+def _history(chat: ChatRender, template: str) -> None:
     """Put the assistant messages' ``tool_calls`` (arguments as objects, which templates
     render with ``tojson``) and the tool messages' ``tool_call_id`` into the render, when
     the template reads them; otherwise they stay reported unused."""
     reads_calls, reads_ids = "tool_calls" in template, "tool_call_id" in template
-    for message, target in zip(request.messages, chat.messages, strict=True):
+    for message, target in zip(chat.source, chat.messages, strict=True):
         calls = message.tool_calls
         if reads_calls and isinstance(calls, list) and calls:
             target["tool_calls"] = [_call_for_template(c) for c in calls]
@@ -251,7 +251,7 @@ def millm_render_chat(ctx: RequestContext, request: Any, model: ServedModel, cha
     template = _template_of(model)
     if ctx.endpoint != "chat.completions" or Capability.TOOLS not in model.capabilities or template is None:
         return
-    _history(chat, request, template)
+    _history(chat, template)
     if not _active(request):
         return
     tools = TOOLS.get(request) or []

@@ -165,7 +165,7 @@ def test_known_fields_of_disabled_plugins_are_refused_by_name(make_server) -> No
     with make_server(host=host) as srv:
         url = srv.base_url + "/v1/chat/completions"
         base = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-        for field, value in (("steering", {"features": []}), ("profile", "p"), ("logprobs", True), ("response_format", {"type": "json_object"}), ("extra_messages", [[]])):
+        for field, value in (("steering", {"features": []}), ("profile", "p"), ("logprobs", True), ("response_format", {"type": "json_object"}), ("thinking_budget", 5)):
             resp = httpx.post(url, json={**base, field: value})
             assert resp.status_code == 400, (field, resp.text)
             assert (resp.json()["error"]["code"], resp.json()["error"]["param"]) == ("field_not_honoured", field)

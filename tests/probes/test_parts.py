@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from millm_core.api import Readout, Tap
+from millm_core.api import Readout, Stash, Tap
 from millm_core.store import Store
 from millm_plugins.probes import header, plugin
 from millm_plugins.probes.book import Armed, Arming, ParityReport, ProbeBook, Stored
@@ -145,7 +145,7 @@ def test_a_row_aggregates_online_and_encodes_a_long_prefill_a_slice_at_a_time(ag
     groups, where = build_groups([(armed[0], sae), (armed[1], None)])
     entries = [Entry(a, group=g, column=c) for a, (g, c) in zip(armed, where, strict=True)]
     served = Served(request_id="r", endpoint="chat.completions", model="m", engine="hf", read_point="pre_steering")
-    monitor = Monitor(Trace("1" * 32, None, "minted"), served, entries, groups, Placement((10, 50)), frozenset())
+    monitor = Monitor(Trace("1" * 32, None, "minted"), served, entries, groups, (Placement((10, 50)),), frozenset())
     row = monitor.processor(SimpleNamespace(index=0, prompt_index=0, prompt_tokens=prompt))  # type: ignore[arg-type]
     rng = np.random.default_rng(3)
     vectors = rng.normal(size=(prompt + steps, d_model)).astype(np.float32)
@@ -198,8 +198,8 @@ def test_no_second_render_for_a_scoring_request() -> None:
     app = SimpleNamespace(stash={STATE: ProbesState(book=book, events=EventLog(store=book.store, keep=10))})
     renders: list[Any] = []
     model = SimpleNamespace(engine=SimpleNamespace(render_chat=lambda messages, **kw: renders.append(messages) or [1, 2, 3]))
-    chat = SimpleNamespace(messages=[{"role": "user", "content": "hi"}], opening=None, tools=None, template_kwargs={})
+    chat = SimpleNamespace(messages=[{"role": "user", "content": "hi"}], opening=None, tools=None, template_kwargs={}, conversation=0)
     for request, rendered in ((SimpleNamespace(logprobs=True), 0), (SimpleNamespace(logprobs=None), 1)):
-        ctx = SimpleNamespace(app=app, stash={})
+        ctx = SimpleNamespace(app=app, stash=Stash())
         plugin.millm_render_chat(ctx, request, model, chat)  # type: ignore[arg-type]
         assert len(renders) == rendered and (plugin.ALT in ctx.stash) == bool(rendered)
