@@ -3,6 +3,7 @@ prompt, nothing generated, the next token's log-probabilities returned."""
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -213,11 +214,11 @@ async def _score(ctx: RequestContext, request: Any, model: ServedModel, prompts:
     if chat:
         # Each conversation alone (a padded batch moves logprobs in their last digits): a
         # conversation's scores never depend on the others sent with it.
-        rows = [
-            await ctx.app.run_model(lambda one=one: engine.next_token_logits([one], float32=float32, float32_device=device, headroom_mb=headroom))
-            for one in prompts
-        ]
-        logits: Any = [row[0] for row in rows]
+
+        def alone(one: list[int]) -> Any:
+            return engine.next_token_logits([one], float32=float32, float32_device=device, headroom_mb=headroom)[0]
+
+        logits: Any = [await ctx.app.run_model(functools.partial(alone, one)) for one in prompts]
     else:
         logits = await ctx.app.run_model(lambda: engine.next_token_logits(prompts, float32=float32, float32_device=device, headroom_mb=headroom))
     for work in reads:
