@@ -53,6 +53,7 @@ bench: $(VENV)/.dev
 	$(PY) bench/bench_probes.py
 	$(PY) bench/bench_lanes.py
 	$(PY) bench/bench_reasoning.py
+	$(PY) bench/bench_batch.py
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check millm_core millm_engines millm_plugins

@@ -21,7 +21,8 @@ The groups, in the order a plugin meets them:
 - OpenAI's request and response contracts;
 - errors (each carries its HTTP status and code; raise them, never build a response);
 - serving a model request from a plugin: ``dispatch`` and its ``Dispatched`` reply
-  (``declares`` says whether an endpoint takes a field on this server);
+  (``declares`` says whether an endpoint takes a field on this server; ``CLIENT_CLOSED``,
+  499, is the status of a request whose client left);
 - helpers: JSON codec, route helpers (``event_stream``, ``unknown_fields``), prompt ids, the counter-based RNG, chat formatting,
   the steering-set model, SQLite store, logging setup, model loading for commands.
 """
@@ -114,7 +115,7 @@ from .prompts import prompt_ids, refuse_empty, with_opening
 from .registry import ModelRegistry, ServedModel
 from .requestfields import RequestField, request_types_with
 from .rng import uniform
-from .server.dispatch import Dispatched, declares, dispatch
+from .server.dispatch import CLIENT_CLOSED, Dispatched, declares, dispatch
 from .server.routes.common import model_endpoint, until_disconnect
 from .server.web import app_context, event_stream, json_response, read_json
 from .steering import AppliedSet
@@ -122,6 +123,7 @@ from .store import Store
 from .unknown import unknown_fields
 
 __all__ = [
+    "CLIENT_CLOSED",
     "GENERATION_ENDPOINTS",
     "PROJECT",
     "UNRECORDED",

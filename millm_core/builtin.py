@@ -69,6 +69,14 @@ def millm_validate(ctx: RequestContext, request: Any) -> Iterable[Problem]:
     return problems
 
 
+@hookimpl
+def millm_register_routes(register: Callable[..., None]) -> None:
+    from .server.routes.lifecycle import ROUTES  # the server's modules load only when a server is built
+
+    for path, endpoint, methods, doc in ROUTES:
+        register(path, endpoint, methods, doc=doc)
+
+
 @hookimpl(trylast=True)
 def millm_resolve(ctx: RequestContext, request: Any, models: ModelRegistry) -> ServedModel:
     model = models.get(request.model)

@@ -50,6 +50,8 @@ _HELP = {
     "batch_invariant": "true: a row's tokens never depend on what shares its batch, on every engine (GGUF then decodes one sequence at a time; default false: the transformers engine is invariant anyway)",
     "cache_dir": "where converted models are cached (default ~/.cache/millm)",
     "db": "the SQLite database for what persists (default ~/.local/share/millm/millm.db)",
+    "model_roots": "comma-separated directories whose checkpoint folders and GGUF files GET /api/models lists as loadable (default: none)",
+    "graceful_unload_timeout": "seconds an unload waits for the model's running requests before cancelling them (default 30)",
 }
 
 

@@ -55,6 +55,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     chat_template: str | None = None
     cache_dir: str | None = None
     db: str | None = None
+    # Directories whose Hugging Face checkpoint folders and GGUF files ``GET /api/models``
+    # lists as loadable (none by default: only the loaded model and plugins' sources).
+    model_roots: tuple[str, ...] = ()
+    # Seconds an unload waits for the model's running requests before cancelling them.
+    graceful_unload_timeout: float = 30.0
     # Values of the settings plugins declared through ``millm_register_settings``; read
     # one with its declaration: ``SETTING.get(settings)``.
     plugin_values: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -122,6 +127,8 @@ PARSERS: Mapping[str, object] = {
     "chat_template": str,
     "cache_dir": str,
     "db": str,
+    "model_roots": _csv,
+    "graceful_unload_timeout": float,
 }
 
 
@@ -182,6 +189,8 @@ def load_settings(
         raise ConfigError("--max-inflight must be at least 1")
     if settings.max_connections < 0:
         raise ConfigError("--max-connections must be 0 (no cap) or more")
+    if settings.graceful_unload_timeout < 0:
+        raise ConfigError("--graceful-unload-timeout must be 0 or more seconds")
     if settings.read_timeout < 1:
         raise ConfigError("--read-timeout must be at least 1 second")
     return settings

@@ -117,6 +117,22 @@ class ModelNotLoaded(ServiceUnavailable):
     code = "model_not_loaded"
 
 
+class ModelBusy(ServiceUnavailable):
+    """503: the named model is being unloaded, or another load or unload is in progress;
+    retry once it finishes (``Retry-After``)."""
+
+    code = "model_busy"
+
+
+class ModelLocked(MillmError):
+    """409: another model is locked (``POST /api/models/{id}/lock``): requests, loads and
+    unloads that concern a different model are refused until it is unlocked."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "model_locked"
+
+
 class QueueFull(ServiceUnavailable):
     """503: more requests wait than ``--max-queue`` allows."""
 
@@ -150,6 +166,13 @@ class InternalError(MillmError):
     status = 500
     type = "server_error"
     code = "internal_error"
+
+
+class ModelLoadFailed(InternalError):
+    """500: loading the named model failed; the message gives the reason without paths
+    (the server log has the details)."""
+
+    code = "model_load_failed"
 
 
 class NonFiniteLogits(InternalError):

@@ -175,6 +175,17 @@ def millm_model_loaded(app: AppContext, model: ServedModel) -> None:
 
 
 @hookspec
+def millm_model_unloaded(app: AppContext, model: ServedModel) -> None:
+    """``model`` was unloaded (``POST /api/models/{id}/unload``): its requests have ended
+    and it has left ``app.models``. Detach what the plugin tied to it (per-model caches,
+    reports about it). Runs on the event loop: keep it short. Every implementation runs
+    even if one raises (the error is logged).
+
+    Return: nothing.
+    """
+
+
+@hookspec
 def millm_shutdown(app: AppContext) -> None:
     """The server is stopping, after the last request: release what ``millm_startup``
     created. Every implementation runs even if one raises (the error is logged).

@@ -97,7 +97,7 @@ Documented = tuple[str, str, RouteDoc]  # (path, method, doc)
 
 def _operation(path: str, method: str, doc: RouteDoc) -> dict[str, Any]:
     op: dict[str, Any] = {"summary": doc.summary}
-    params = re.findall(r"{(\w+)}", path)
+    params = re.findall(r"{(\w+)(?::\w+)?}", path)
     if params:
         op["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in params]
     if doc.request is not None:
@@ -160,7 +160,7 @@ def openapi_document(
         },
     }
     for path, method, doc in sorted(routes, key=lambda r: (r[0], r[1])):
-        paths.setdefault(path, {})[method.lower()] = _operation(path, method, doc)
+        paths.setdefault(re.sub(r"{(\w+):\w+}", r"{\1}", path), {})[method.lower()] = _operation(path, method, doc)
     for path, type_ in sorted(extra_responses, key=lambda pt: (pt[0], pt[1].__name__)):
         operation = next(iter(paths[path].values()))
         body = operation["responses"]["200"]["content"]["application/json"]

@@ -196,6 +196,14 @@ class PluginHost:
     def model_loaded(self, app: AppContext, model: ServedModel) -> None:
         self._pm.hook.millm_model_loaded(app=app, model=model)
 
+    def model_unloaded(self, app: AppContext, model: ServedModel) -> None:
+        """Every implementation runs, even after one raised (each error is logged)."""
+        for impl in reversed(self._pm.hook.millm_model_unloaded.get_hookimpls()):
+            try:
+                impl.function(*[{"app": app, "model": model}[name] for name in impl.argnames])
+            except Exception:  # noqa: BLE001 - an unload must reach every plugin
+                log.exception("plugin_model_unloaded_failed", plugin=impl.plugin_name)
+
     def shutdown(self, app: AppContext) -> None:
         """Every implementation runs, even after one raised (each error is logged)."""
         for impl in reversed(self._pm.hook.millm_shutdown.get_hookimpls()):

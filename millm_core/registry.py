@@ -29,6 +29,10 @@ class ModelRegistry:
     def add(self, model: ServedModel) -> None:
         self._models[model.info.served_name] = model
 
+    def remove(self, name: str) -> ServedModel | None:
+        """Stop serving ``name``; the model it served, or None."""
+        return self._models.pop(name, None)
+
     def get(self, name: str) -> ServedModel | None:
         return self._models.get(name)
 

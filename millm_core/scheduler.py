@@ -135,6 +135,17 @@ class Scheduler:
         future.add_done_callback(lambda f: self._withdraw(item) if f.cancelled() else None)
         return future
 
+    def cancel_jobs(self, engine: object) -> int:
+        """Cancel every queued or running generation job on ``engine`` (an unload past
+        its grace period); returns how many. Each ends as its client leaving would."""
+        with self._lock:
+            jobs = [item for item in self._waiting if isinstance(item, Job) and item.engine is engine]
+        run = self._run_now
+        jobs += [job for job in (list(run.jobs) if run is not None else []) if job.engine is engine]
+        for job in jobs:
+            job.cancel()
+        return len(jobs)
+
     @property
     def healthy(self) -> bool:
         """False once the model thread has stopped unexpectedly (its requests were failed

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from millm_core.api import (
+    CLIENT_CLOSED,
     Dispatched,
     Problem,
     RequestContext,
@@ -33,6 +34,7 @@ from millm_core.api import (
 )
 from millm_core.config import load_settings
 from millm_core.server.app import build_host
+from millm_core.server.dispatch import STREAM_BUFFER_FRAMES
 
 from .http.helpers import GatePlugin, json_frames, scheduler_stats, wait_until
 
@@ -41,20 +43,39 @@ CHAT = {"model": "tiny", "messages": MESSAGES, "max_tokens": 12, "temperature": 
 BACKGROUND = StashKey[dict[str, "asyncio.Task[Dispatched]"]]("test.background")
 
 
-async def _report(reply: Dispatched, close_after: int | None) -> dict[str, Any]:
+async def _report(reply: Dispatched, close_after: int | None, envelope: dict[str, Any] | None = None, scheduler: Any = None) -> dict[str, Any]:
+    envelope = envelope or {}
     out: dict[str, Any] = {"status": reply.status, "headers": dict(reply.headers), "request_id": reply.request_id}
     out["ignored_fields"] = list(reply.ignored_fields)
     if not reply.streaming:
-        out["body"] = reply.json()
+        out["body"] = reply.json() if reply.body else None
         return out
+    if envelope.get("idle"):  # read nothing until the generation is over (it goes on meanwhile)
+        deadline = time.monotonic() + float(envelope["idle"])
+        await asyncio.sleep(0.2)
+        while time.monotonic() < deadline and scheduler is not None and scheduler.stats.active_rows:
+            await asyncio.sleep(0.05)
+        out["buffered"] = reply._stream.buffered  # type: ignore[union-attr]
     events = []
     async with reply:
         async for event in reply.events():
             events.append(event)
             if close_after is not None and len(events) >= close_after:
                 break
+        if envelope.get("read_twice"):  # once it has ended (or was closed), a stream yields nothing more (it never waits)
+            await reply.aclose()
+            out["again"] = [e async for e in _within(reply.events(), 5)]
     out["events"], out["finished"] = events, reply.finished
     return out
+
+
+async def _within(events: Any, seconds: float) -> Any:
+    iterator = events.__aiter__()
+    while True:
+        try:
+            yield await asyncio.wait_for(iterator.__anext__(), seconds)
+        except StopAsyncIteration:
+            return
 
 
 class DispatchPlugin:
@@ -70,15 +91,19 @@ class DispatchPlugin:
         kwargs = {"headers": envelope.get("headers"), "reported": envelope.get("reported", ()), "rename": rename}
         return body, kwargs
 
+    def __init__(self) -> None:
+        self.statuses: list[int] = []  # every dispatched reply's status, in order
+
     async def run(self, request: Request) -> Response:
         envelope = json.loads(await request.body())
         body, kwargs = self._args(envelope)
         reply = await dispatch(request, envelope.get("endpoint", "chat.completions"), body, **kwargs)
+        self.statuses.append(reply.status)
         if envelope.get("drop"):  # dropped unread
             status = reply.status
             del reply
             return json_response({"status": status})
-        return json_response(await _report(reply, envelope.get("close_after")))
+        return json_response(await _report(reply, envelope.get("close_after"), envelope, request.app.state.millm.scheduler))
 
     async def start(self, request: Request) -> Response:
         envelope = json.loads(await request.body())
@@ -243,9 +268,9 @@ def test_reported_fields_and_renamed_locations(dispatch_server) -> None:  # type
     assert bad["status"] == 400 and bad["body"]["error"]["param"] == "heat"
 
 
-def _slow_server(make_server):  # type: ignore[no-untyped-def]
+def _slow_server(make_server, plugin: DispatchPlugin | None = None):  # type: ignore[no-untyped-def]
     host = build_host(load_settings(environ={}))
-    host.register(DispatchPlugin(), "dispatch-test")
+    host.register(plugin or DispatchPlugin(), "dispatch-test")
     slow = GatePlugin(delay=0.02)  # 20 ms a token: 400 tokens would take 8 s
     slow.gate.set()
     host.register(slow, "slow")
@@ -253,7 +278,8 @@ def _slow_server(make_server):  # type: ignore[no-untyped-def]
 
 
 def test_a_client_leaving_the_outer_route_cancels_the_inner_request(make_server) -> None:  # type: ignore[no-untyped-def]
-    with _slow_server(make_server) as srv:
+    plugin = DispatchPlugin()
+    with _slow_server(make_server, plugin) as srv:
         port = int(srv.base_url.rsplit(":", 1)[1])
         envelope = json.dumps({"body": {**CHAT, "max_tokens": 400}}).encode()
         request = (
@@ -267,6 +293,8 @@ def test_a_client_leaving_the_outer_route_cancels_the_inner_request(make_server)
         assert wait_until(lambda: scheduler_stats(srv.base_url)["cancelled_rows"] == 1)
         stats = scheduler_stats(srv.base_url)
         assert stats["active_rows"] == 0 and stats["generated_tokens"] < 200
+        assert wait_until(lambda: plugin.statuses == [CLIENT_CLOSED])  # the reply the plugin got: 499, no body
+        assert CLIENT_CLOSED == 499
 
 
 def test_closing_a_dispatched_stream_frees_its_rows(make_server) -> None:  # type: ignore[no-untyped-def]
@@ -285,3 +313,20 @@ def test_a_dispatched_stream_dropped_unread_frees_its_rows(make_server) -> None:
         assert _dispatched(srv, body={**CHAT, "max_tokens": 400, "stream": True}, drop=True) == {"status": 200}
         assert wait_until(lambda: scheduler_stats(srv.base_url)["cancelled_rows"] == 1)
         assert scheduler_stats(srv.base_url)["generated_tokens"] < 200
+
+
+def test_a_dispatched_stream_holds_a_bounded_buffer_and_loses_nothing(dispatch_server) -> None:  # type: ignore[no-untyped-def]
+    body = {**CHAT, "max_tokens": 200, "stream": True}
+    got = _dispatched(dispatch_server, body=body, idle=30)
+    # The whole stream was generated while nobody read: at most the buffer's frames waited.
+    assert 0 < got["buffered"] <= STREAM_BUFFER_FRAMES
+    assert got["finished"] is True and len(got["events"]) > STREAM_BUFFER_FRAMES
+    whole = _dispatched(dispatch_server, body=body)
+    assert [_without_ids(e) for e in got["events"]] == [_without_ids(e) for e in whole["events"]]
+
+
+def test_a_stream_read_again_after_its_end_yields_nothing(dispatch_server) -> None:  # type: ignore[no-untyped-def]
+    got = _dispatched(dispatch_server, body={**CHAT, "stream": True}, read_twice=True)
+    assert got["finished"] is True and got["events"] and got["again"] == []
+    closed = _dispatched(dispatch_server, body={**CHAT, "max_tokens": 40, "stream": True}, close_after=2, read_twice=True)
+    assert len(closed["events"]) == 2 and closed["again"] == []

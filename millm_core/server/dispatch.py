@@ -6,7 +6,8 @@ events of its stream. A plugin builds another API on top of it (``/v1/responses`
 chat), or runs requests with no client at all (a batch of JSONL lines).
 
 Every refusal and failure comes back as the route's OpenAI-shaped error reply; nothing is
-raised to the caller but its own cancellation.
+raised to the caller but its own cancellation. When the outer request's client leaves
+while a non-streamed request runs, the reply is :data:`CLIENT_CLOSED` (499) with no body.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ..context import AppContext, Endpoint, StashKey
 from ..errors import MillmError
 from .errors import error_body, internal_error
 from .middleware import mint_request_id
-from .routes.common import app_state, check_loaded, decode_body, joined_headers, respond_to, until_disconnect
+from .routes.common import CLIENT_CLOSED, app_state, check_loaded, decode_body, joined_headers, respond_to, until_disconnect
 from .state import AppState
 
 log = structlog.get_logger("millm.dispatch")
@@ -36,7 +37,15 @@ log = structlog.get_logger("millm.dispatch")
 # The server's private state, reachable from the public AppContext (set by the lifespan).
 _STATE = StashKey[AppState]("core.dispatch")
 MILLM_HEADER_PREFIX = "x-millm-"
+# Body chunks a dispatched stream holds for its reader; past them the stream waits (its
+# rows go on generating into the job's own buffer, as they do for a slow HTTP client).
+STREAM_BUFFER_FRAMES = 64
 _END = object()
+# Inner streams still running: their tasks are kept alive here until they end (the event
+# loop keeps only weak references to tasks), even once their reply is dropped.
+_RUNNING: set[asyncio.Task[None]] = set()
+
+__all__ = ["CLIENT_CLOSED", "STREAM_BUFFER_FRAMES", "Dispatched", "bind_dispatch", "declares", "dispatch"]
 
 
 def bind_dispatch(state: AppState) -> None:
@@ -66,8 +75,9 @@ class Dispatched:
     plugins' ``X-miLLM-*`` headers, ``X-miLLM-Ignored-Fields``, a 503's ``Retry-After``),
     then either ``body`` (the JSON bytes: a completion, or OpenAI's error shape when
     ``status`` is not 200) or, for a request with ``stream: true`` that was admitted, the
-    decoded stream through :meth:`events`. ``ignored_fields`` are the request's unused field
-    locations (those of the header)."""
+    decoded stream through :meth:`events`. ``status`` is :data:`CLIENT_CLOSED` (499, no
+    body) when the outer request's client left while a non-streamed request ran.
+    ``ignored_fields`` are the request's unused field locations (those of the header)."""
 
     def __init__(
         self,
@@ -109,7 +119,8 @@ class Dispatched:
         """The stream's data frames, decoded: each chunk (``chat.completion.chunk``), the
         closing extension chunks (``{"choices": [], key: value}``), or ``{"error": {...}}``
         when it failed after its 200. Iteration ends at ``[DONE]`` (then :attr:`finished`).
-        Leaving the loop early, or closing the reply, stops the request: its rows are freed."""
+        Leaving the loop early, or closing the reply, stops the request: its rows are freed.
+        Once the stream has ended (read to its end, or closed), iterating again yields nothing."""
         if self._stream is None:
             raise ValueError("this reply is not a stream: read body")
         try:
@@ -125,6 +136,7 @@ class Dispatched:
             await self._stream.close()
 
     async def __aenter__(self) -> Dispatched:
+        """The reply itself; leaving the block closes it (:meth:`aclose`)."""
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -139,15 +151,26 @@ class Dispatched:
 
 class _InnerStream:
     """Runs a streamed response as an ASGI app would, in its own task, and splits its body
-    into SSE frames. Its client "disconnects" when the stream is closed."""
+    into SSE frames. Its client "disconnects" when the stream is closed. At most
+    :data:`STREAM_BUFFER_FRAMES` body chunks wait for the reader; the response then waits
+    for it too. The task runs to its end however the reader leaves (the response's own
+    end-of-stream work, such as an interrupted stream's finalize, is never cut short)."""
 
     def __init__(self, response: StreamingResponse) -> None:
         self._gone = asyncio.Event()
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=STREAM_BUFFER_FRAMES)
         self._loop = asyncio.get_running_loop()
+        self._over = False  # the response has returned: nothing more will be queued
         self.done = False
         self.ended = False
         self._task = asyncio.ensure_future(self._run(response))
+        _RUNNING.add(self._task)
+        self._task.add_done_callback(_RUNNING.discard)
+
+    @property
+    def buffered(self) -> int:
+        """Body chunks waiting for the reader."""
+        return self._queue.qsize()
 
     async def _run(self, response: StreamingResponse) -> None:
         async def receive() -> Message:
@@ -155,8 +178,8 @@ class _InnerStream:
             return {"type": "http.disconnect"}
 
         async def send(message: Message) -> None:
-            if message["type"] == "http.response.body":
-                self._queue.put_nowait(bytes(message.get("body", b"")))
+            if message["type"] == "http.response.body" and not self._gone.is_set():
+                await self._queue.put(bytes(message.get("body", b"")))  # waits while the buffer is full
 
         scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.1"}, "method": "POST", "headers": []}
         try:
@@ -164,11 +187,18 @@ class _InnerStream:
         except Exception:  # noqa: BLE001 - the response's own handlers already ended the stream with an error frame
             log.exception("dispatched_stream_failed")
         finally:
-            self._queue.put_nowait(_END)
+            self._over = True
+            # A full buffer: the reader sees the end once it has drained it (frames()).
+            with contextlib.suppress(asyncio.QueueFull):
+                self._queue.put_nowait(_END)
 
     async def frames(self) -> AsyncIterator[dict[str, Any]]:
+        """The decoded data frames, until the response ends; nothing once it has ended."""
         buffer = b""
-        while True:
+        while not self.ended:
+            if self._over and self._queue.empty():
+                self.ended = True
+                return
             chunk = await self._queue.get()
             if chunk is _END:
                 self.ended = True
@@ -185,12 +215,20 @@ class _InnerStream:
                 yield decode_json(data)
 
     async def close(self) -> None:
+        """Disconnect the response's client and wait until the response has ended. If the
+        caller is cancelled meanwhile, the response still ends on its own (shielded: its
+        end-of-stream work is never cancelled with the caller) and the cancellation goes on."""
         self._gone.set()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self.ended = True
+        try:
+            await asyncio.shield(self._task)
+        except asyncio.CancelledError:
+            if not self._task.done():
+                raise  # the caller was cancelled; the task goes on, held by _RUNNING
+        finally:
+            self.ended = True
 
     def abandon(self) -> None:
+        """Disconnect the response's client from any thread (a reply dropped unread)."""
         if not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._gone.set)
 
@@ -222,6 +260,7 @@ async def dispatch(
     request_id: str | None = None,
     reported: Sequence[str] = (),
     rename: Callable[[str], str] | None = None,
+    unreported: Callable[[str], bool] | None = None,
 ) -> Dispatched:
     """Serve ``body`` on ``endpoint`` (``"chat.completions"``, ``"completions"``,
     ``"embeddings"``) through the one request pipeline, and return what its route would
@@ -237,11 +276,15 @@ async def dispatch(
     - ``reported``: unused field locations of the caller's own API, reported first in
       ``X-miLLM-Ignored-Fields`` (and refused under ``X-miLLM-Strict``);
       ``rename`` maps the endpoint's field locations (an error's ``param``, the unused
-      fields) into the caller's API's names.
+      fields) into the caller's API's names; ``unreported`` picks the endpoint's unused
+      field locations (before ``rename``) that are not reported at all, nor refused under
+      ``X-miLLM-Strict``: parts of the body the caller made itself, not its client (a
+      stored conversation it replays).
 
     With ``stream: true`` an admitted request answers 200 at once and its frames arrive
     through :meth:`Dispatched.events`; read them to the end or close the reply
-    (``async with``) to stop it early; a reply dropped unread stops it too.
+    (``async with``) to stop it early; a reply dropped unread stops it too. A non-streamed
+    request whose outer client left answers :data:`CLIENT_CLOSED` (499, no body).
     """
     state = _state_of(source)
     outer = source if isinstance(source, Request) else None
@@ -259,7 +302,7 @@ async def dispatch(
             raw = decode_json(body) if isinstance(body, bytes) else msgspec.to_builtins(body) if isinstance(body, msgspec.Struct) else dict(body)
             admission = decode_body(state, endpoint, raw, request_id=rid, headers=seen, access_log=access_log)
             ignored = admission.ctx.ignored_fields
-            response = await respond_to(admission, guarded, reported=reported, rename=rename)
+            response = await respond_to(admission, guarded, reported=reported, rename=rename, unreported=unreported)
         except MillmError as exc:
             return _error(state, exc, rid, rename)
         except Exception:  # noqa: BLE001 - the route answers 500 for these; so does dispatch

@@ -14,6 +14,7 @@ from ..config import Settings
 from ..context import AppContext, Endpoint
 from ..fields import FieldPolicy
 from ..ledger import MemoryLedger
+from ..lifecycle import ModelLifecycle
 from ..metrics import Metrics
 from ..plugins import PluginHost
 from ..registry import ModelRegistry
@@ -36,6 +37,8 @@ class AppState:
     metrics: Metrics = field(default_factory=lambda: Metrics())
     # Rows admitted by memory and not finished (see millm_core/ledger.py).
     memory: MemoryLedger = field(default_factory=lambda: MemoryLedger())
+    # Loads and unloads in progress, the lock, the requests running per model.
+    lifecycle: ModelLifecycle = field(default_factory=lambda: ModelLifecycle())
     serves_embeddings: bool = False
     openapi_json: bytes = b""
     docs_html: str = ""

@@ -1,14 +1,20 @@
 """A chat completion stream → the Responses event stream.
 
-``response.created`` and ``response.in_progress`` open it. Each run of reasoning deltas
-(``delta.reasoning_content``) becomes a reasoning item, each run of text deltas
-(``delta.content``) a message item, each tool call a function call item: every item is
+``response.created`` and ``response.in_progress`` open it. The reasoning deltas
+(``delta.reasoning_content``) become one reasoning item, the text deltas
+(``delta.content``) one message item, each tool call a function call item: every item is
 added, filled (``response.reasoning_text.delta``, ``response.output_text.delta``,
 ``response.function_call_arguments.delta``), finished (the matching ``.done`` events) and
-done, in order. The finish chunk gives the status and usage; the closing extension chunks
-(``{"choices": [], key: value}``) become top-level keys of the final response, sent with
-``response.completed`` or ``response.incomplete``. A stream that fails after its 200 ends
-with ``error`` and ``response.failed``. Every event carries its ``sequence_number``.
+done, in order — the items, their order and their statuses are those of the non-streamed
+response (:mod:`.output`). The reasoning item is done when the text begins; reasoning that
+a plugin adds after that still joins it (its deltas name that item) and the final response
+carries it whole. (Only reasoning that first arrives after the text — no built-in plugin
+writes it so — cannot be put before a message already added: it comes as an item after it.) The finish chunk gives the status and usage; the choice's own keys
+(``thinking_budget_forced_at``, …) and the closing extension chunks (``{"choices": [],
+key: value}``) become top-level keys of the final response, sent with
+``response.completed`` or ``response.incomplete``. A stream that fails after its 200 — or
+that ends without its end — ends with ``error`` and ``response.failed``. Every event
+carries its ``sequence_number``.
 """
 
 from __future__ import annotations
@@ -28,16 +34,20 @@ from .objects import (
     ResponseError,
     ResponseObject,
     Status,
+    choice_extensions,
     finished,
     new_id,
     usage_of,
     with_extensions,
 )
-from .output import CHAT_KEYS, function_call, reasoning_item
+from .output import CHAT_KEYS, function_call, reasoning_item, wants_message
 from .sealing import Sealer
 from .translate import Translation
 
 Event = dict[str, Any]
+# The codes of a failed Response's ``error`` that OpenAI's clients accept (those about
+# images and vector stores never arise here); any other code of millm's is ``server_error``.
+FAILURE_CODES = frozenset({"server_error", "rate_limit_exceeded", "invalid_prompt"})
 
 
 def sse(event: Event) -> bytes:
@@ -45,26 +55,31 @@ def sse(event: Event) -> bytes:
     return b"event: " + str(event["type"]).encode() + b"\ndata: " + encode(event) + b"\n\n"
 
 
-@dataclass
-class _Open:
-    """The item being streamed: a reasoning item or a message, and its text so far."""
+Kind = Literal["reasoning", "message"]
 
-    kind: Literal["reasoning", "message"]
+
+@dataclass
+class _Text:
+    """The reasoning item or the message: where it is, and its text so far."""
+
+    kind: Kind
     index: int
     id: str
     text: str = ""
+    done: bool = False
 
 
 class ResponseStream:
-    """Turns one chat stream's frames into Responses events (:meth:`feed`, :meth:`end`,
-    :meth:`fail`); ``final`` is the finished response, as plain data."""
+    """Turns one chat stream's frames into Responses events (:meth:`start`, :meth:`feed`,
+    :meth:`end`, :meth:`fail`); ``final`` is the finished response, as plain data."""
 
     def __init__(self, translation: Translation, response: ResponseObject, sealer: Sealer | None) -> None:
         self.translation = translation
         self.response = response
         self.sealer = sealer
-        self.items: list[OutputItem] = []
-        self.open: _Open | None = None
+        self.items: list[OutputItem | None] = []  # by output index (None: a text item still open)
+        self.texts: dict[Kind, _Text] = {}
+        self.open: _Text | None = None
         self.sequence = 0
         self.finish_reason: str | None = None
         self.extensions: dict[str, Any] = {}
@@ -79,57 +94,65 @@ class ResponseStream:
         return with_extensions(self.response, self.extensions)
 
     def start(self) -> list[Event]:
+        """The opening events: ``response.created``, ``response.in_progress``."""
         return [self._event("response.created", response=self._snapshot()), self._event("response.in_progress", response=self._snapshot())]
 
-    def _item_events(self, item: OutputItem) -> tuple[int, dict[str, Any]]:
-        index = len(self.items)
-        self.items.append(item)
-        return index, msgspec.to_builtins(item)
+    def _item(self, text: _Text, status: Status) -> OutputItem:
+        if text.kind == "reasoning":
+            return reasoning_item(text.text, status, self.sealer, self.translation.encrypted, item_id=text.id)
+        return OutputMessage(id=text.id, status=status, content=[OutputTextContent(text=text.text)])
 
-    def _open(self, kind: Literal["reasoning", "message"]) -> list[Event]:
-        events = self._close("completed") if self.open is not None and self.open.kind != kind else []
-        if self.open is not None:
-            return events
+    def _open(self, kind: Kind) -> list[Event]:
+        """The item of ``kind`` to add text to: the open one, the one done already (its
+        text grows still), or a new one (the open item of the other kind done first)."""
+        if kind in self.texts:
+            return []
+        events = self._close("completed")
         index = len(self.items)
+        self.items.append(None)
+        current = self.open = self.texts[kind] = _Text(kind, index, new_id("rs" if kind == "reasoning" else "msg"))
         if kind == "reasoning":
-            self.open = _Open(kind, index, new_id("rs"))
-            item = {"id": self.open.id, "type": "reasoning", "status": "in_progress", "summary": [], "content": []}
+            item = {"id": current.id, "type": "reasoning", "status": "in_progress", "summary": [], "content": []}
             part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
         else:
-            self.open = _Open(kind, index, new_id("msg"))
-            item = {"id": self.open.id, "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+            item = {"id": current.id, "type": "message", "status": "in_progress", "role": "assistant", "content": []}
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [
             *events,
             self._event("response.output_item.added", output_index=index, item=item),
-            self._event("response.content_part.added", item_id=self.open.id, output_index=index, content_index=0, part=part),
+            self._event("response.content_part.added", item_id=current.id, output_index=index, content_index=0, part=part),
         ]
 
     def _close(self, status: Status) -> list[Event]:
+        """Finish the open item with ``status``."""
         current, self.open = self.open, None
         if current is None:
             return []
+        current.done = True
         where = {"item_id": current.id, "output_index": current.index, "content_index": 0}
+        item = self._item(current, status)
+        self.items[current.index] = item
         if current.kind == "reasoning":
-            item: OutputItem = reasoning_item(current.text, status, self.sealer, self.translation.encrypted, item_id=current.id)
             done = [self._event("response.reasoning_text.done", **where, text=current.text)]
             part: dict[str, Any] = {"type": "reasoning_text", "text": current.text}
         else:
-            item = OutputMessage(id=current.id, status=status, content=[OutputTextContent(text=current.text)])
             done = [self._event("response.output_text.done", **where, text=current.text, logprobs=[])]
             part = {"type": "output_text", "text": current.text, "annotations": [], "logprobs": []}
-        _, data = self._item_events(item)
         return [
             *done,
             self._event("response.content_part.done", **where, part=part),
-            self._event("response.output_item.done", output_index=current.index, item=data),
+            self._event("response.output_item.done", output_index=current.index, item=msgspec.to_builtins(item)),
         ]
 
-    def _delta(self, kind: Literal["reasoning", "message"], text: str) -> list[Event]:
+    def _delta(self, kind: Kind, text: str) -> list[Event]:
         events = self._open(kind)
-        assert self.open is not None
-        self.open.text += text
-        where = {"item_id": self.open.id, "output_index": self.open.index, "content_index": 0}
+        current = self.texts[kind]
+        current.text += text
+        if current.done:  # reasoning a plugin added after the text began: the item's final text has it
+            item = self.items[current.index]
+            assert item is not None
+            self.items[current.index] = self._item(current, item.status)
+        where = {"item_id": current.id, "output_index": current.index, "content_index": 0}
         if kind == "reasoning":
             return [*events, self._event("response.reasoning_text.delta", **where, delta=text)]
         return [*events, self._event("response.output_text.delta", **where, delta=text, logprobs=[])]
@@ -138,7 +161,9 @@ class ResponseStream:
         events = self._close("completed")
         for call in calls:
             item = function_call(call, "completed")
-            index, data = self._item_events(item)
+            index = len(self.items)
+            self.items.append(item)
+            data = msgspec.to_builtins(item)
             added = {**data, "status": "in_progress", "arguments": ""}
             where = {"item_id": item.id, "output_index": index}
             events += [
@@ -170,33 +195,35 @@ class ResponseStream:
             events += self._calls(delta["tool_calls"])
         if choice.get("finish_reason"):
             self.finish_reason = choice["finish_reason"]
-        if isinstance(choice.get("thinking_budget_forced_at"), int):
-            self.response.thinking_budget_forced_at = choice["thinking_budget_forced_at"]
+        self.extensions.update(choice_extensions(choice))
         return events
 
     def end(self) -> list[Event]:
         """The stream's end: the open item finished, then ``response.completed`` (or
         ``response.incomplete``) with the whole response."""
-        status: Status = "incomplete" if self.finish_reason == "length" else "completed"
-        has_message = any(isinstance(item, OutputMessage) for item in self.items) or (self.open is not None and self.open.kind == "message")
+        finished(self.response, self.finish_reason)
+        status = self.response.status
         calls = any(isinstance(item, OutputFunctionCall) for item in self.items)
         events: list[Event] = []
-        if not has_message and not calls:
-            events += self._close("completed") + self._open("message")
+        if "message" not in self.texts and wants_message(False, "reasoning" in self.texts, calls, status):
+            events += self._open("message")  # an empty message, as the non-streamed response has
+        # The open item is the last one unless calls followed it: closing it with the
+        # response's status marks what the budget cut short, as mark_cut does.
         events += self._close(status)
-        finished(self.response, self.finish_reason)
-        self.response.output = list(self.items)
+        self.response.output = [item for item in self.items if item is not None]
         self.final = self._snapshot()
-        kind = "response.incomplete" if self.response.status == "incomplete" else "response.completed"
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return [*events, self._event(kind, response=self.final)]
 
     def fail(self, error: dict[str, Any]) -> list[Event]:
-        """An error after the stream's 200: ``error``, then ``response.failed``."""
+        """An error after the stream's 200: ``error`` (with millm's code), then
+        ``response.failed`` (its ``error.code`` one of OpenAI's: ``server_error`` unless
+        millm's code is one of them)."""
         code = str(error.get("code") or "server_error")
         message = str(error.get("message") or "the response failed")
         events = [self._event("error", code=code, message=message, param=error.get("param"))]
         self.open = None
         self.response.status = "failed"
-        self.response.error = ResponseError(code=code, message=message)
-        self.response.output = list(self.items)
+        self.response.error = ResponseError(code=code if code in FAILURE_CODES else "server_error", message=message)
+        self.response.output = [item for item in self.items if item is not None]
         return [*events, self._event("response.failed", response=self._snapshot())]

@@ -8,9 +8,12 @@ import time
 from typing import Any, Literal
 
 import msgspec
+import structlog
 from msgspec import UNSET, UnsetType
 
 from .schema import SummaryTextPart
+
+log = structlog.get_logger("millm.responses")
 
 Status = Literal["completed", "incomplete", "in_progress", "failed"]
 
@@ -69,9 +72,11 @@ OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(msgspec.Struct, kw_only=True):
-    """``cached_tokens``: prompt tokens resumed from kept state (0 when none)."""
+    """``cached_tokens``: prompt tokens resumed from kept state (0 when none);
+    ``cache_write_tokens``: always 0 (millm has no prompt cache that bills writes)."""
 
     cached_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(msgspec.Struct, kw_only=True):
@@ -107,9 +112,11 @@ class ResponseError(msgspec.Struct, kw_only=True):
 
 class ResponseObject(msgspec.Struct, kw_only=True):
     """A response (``object: "response"``). Its output items are in the order the model
-    wrote them: reasoning, the message, function calls. A stream's extension chunks, and a
-    reply's extension keys (``millm_steering``, ``millm``, …), are top-level keys beside
-    these; ``thinking_budget_forced_at`` when the reasoning's close was forced."""
+    wrote them: reasoning, the message, function calls. A stream's extension chunks, a
+    reply's extension keys (``millm_steering``, ``millm``, …) and the chat choice's own
+    keys (``thinking_budget_forced_at`` when the reasoning's close was forced, and any a
+    plugin sets) are top-level keys beside these; one that would replace a field of the
+    Response goes under ``millm_extensions`` instead."""
 
     id: str
     object: Literal["response"] = "response"
@@ -175,9 +182,30 @@ def finished(response: ResponseObject, finish_reason: str | None) -> None:
         response.completed_at = int(time.time())
 
 
+# A chat choice's keys that the Response has its own place for; any other (a plugin's,
+# ``thinking_budget_forced_at``) becomes a top-level key.
+CHOICE_KEYS = frozenset({"index", "message", "delta", "finish_reason", "logprobs"})
+COLLIDED = "millm_extensions"
+
+
+def choice_extensions(choice: dict[str, Any]) -> dict[str, Any]:
+    """The keys a chat choice carries beside its own (``thinking_budget_forced_at``, …)."""
+    return {key: value for key, value in choice.items() if key not in CHOICE_KEYS}
+
+
 def with_extensions(response: ResponseObject, extensions: dict[str, Any]) -> dict[str, Any]:
-    """The response as plain data, with the chat reply's extension keys at the top level."""
+    """The response as plain data, with the chat reply's extension keys at the top level.
+    A key that is already a field of the response is never dropped: it goes under
+    ``millm_extensions`` (and the collision is logged)."""
     data: dict[str, Any] = msgspec.to_builtins(response)
+    moved: dict[str, Any] = {}
     for key, value in extensions.items():
-        data.setdefault(key, value)
+        if key in data:
+            log.warning("response_extension_collides", key=key, moved_to=COLLIDED)
+            moved[key] = value
+        else:
+            data[key] = value
+    if moved:
+        kept = data.get(COLLIDED)
+        data[COLLIDED] = {**kept, **moved} if isinstance(kept, dict) else moved
     return data

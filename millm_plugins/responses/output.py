@@ -1,7 +1,10 @@
 """A chat completion → the Response object: the reasoning (``message.reasoning_content``),
 the message (``content``), function calls (``tool_calls``), in that order; the status from
 the finish reason; usage in the Responses names; the request's settings echoed; the
-chat reply's extension keys carried over at the top level."""
+chat reply's extension keys, and its choice's own keys, carried over at the top level.
+
+The streamed response (:mod:`.events`) ends with the same items, by the same rules
+(:func:`wants_message`, :func:`mark_cut`): one reasoning item, one message, the calls."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from .objects import (
     ReasoningTextContent,
     ResponseObject,
     Status,
+    choice_extensions,
     finished,
     new_id,
     usage_of,
@@ -76,11 +80,31 @@ def reasoning_item(text: str, status: Status, sealer: Sealer | None, encrypted: 
 
 
 def function_call(call: dict[str, Any], status: Status) -> OutputFunctionCall:
-    """A function call item from a chat tool call."""
+    """A function call item from a chat tool call (a call with no id is given one: a stored
+    conversation never holds an empty ``call_id``)."""
     function = call.get("function") or {}
+    call_id = call.get("id")
     return OutputFunctionCall(
-        id=new_id("fc"), call_id=str(call.get("id", "")), name=str(function.get("name", "")), arguments=str(function.get("arguments", "")), status=status
+        id=new_id("fc"),
+        call_id=call_id if isinstance(call_id, str) and call_id else new_id("call"),
+        name=str(function.get("name", "")),
+        arguments=str(function.get("arguments", "")),
+        status=status,
     )
+
+
+def wants_message(has_text: bool, has_reasoning: bool, has_calls: bool, status: Status) -> bool:
+    """Whether the output has a message item: when the model wrote text, or else when it
+    neither called a function nor was cut off while reasoning (then the reasoning item is
+    the one left incomplete, with no message after it, as OpenAI answers)."""
+    return has_text or not (has_calls or (has_reasoning and status == "incomplete"))
+
+
+def mark_cut(output: list[OutputItem], status: Status) -> None:
+    """Mark the item the budget cut short ``incomplete``: the last one, unless it is a
+    function call (calls are parsed whole when they close, so none is ever cut)."""
+    if status == "incomplete" and output and not isinstance(output[-1], OutputFunctionCall):
+        output[-1].status = "incomplete"
 
 
 def from_completion(translation: Translation, completion: dict[str, Any], sealer: Sealer | None) -> dict[str, Any]:
@@ -95,14 +119,11 @@ def from_completion(translation: Translation, completion: dict[str, Any], sealer
         output.append(reasoning_item(reasoning, "completed", sealer, translation.encrypted))
     calls = message.get("tool_calls") or []
     content = message.get("content")
-    if content or not calls:
+    if wants_message(bool(content), bool(output), bool(calls), response.status):
         output.append(OutputMessage(id=new_id("msg"), status="completed", content=[OutputTextContent(text=content or "")]))
     output.extend(function_call(call, "completed") for call in calls)
-    if response.status == "incomplete":
-        output[-1].status = "incomplete"  # the item the budget cut short
+    mark_cut(output, response.status)
     response.output = output
     response.usage = usage_of(completion.get("usage"))
-    forced = choice.get("thinking_budget_forced_at")
-    if isinstance(forced, int):
-        response.thinking_budget_forced_at = forced
-    return with_extensions(response, {k: v for k, v in completion.items() if k not in CHAT_KEYS})
+    extensions = {**choice_extensions(choice), **{k: v for k, v in completion.items() if k not in CHAT_KEYS}}
+    return with_extensions(response, extensions)

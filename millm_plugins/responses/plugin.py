@@ -4,7 +4,8 @@ pipeline, so every chat feature and extension works here too (steering, tools, s
 output, reasoning, lanes, …).
 
 Stored responses (``previous_response_id``) live in the database, at most
-``--responses-max-stored`` of them; reasoning sent back encrypted
+``--responses-max-stored`` of them and ``--responses-max-stored-bytes`` bytes; reasoning
+sent back encrypted
 (``include: ["reasoning.encrypted_content"]``) is sealed with the key of
 ``--responses-key-file``, or with one generated once and kept in the database.
 """
@@ -35,6 +36,12 @@ def _count(text: str) -> int:
 MAX_STORED = PluginSetting(
     "responses_max_stored", 1000, "responses kept for previous_response_id and GET /v1/responses/{id} (the oldest go first; 0 keeps none)", _count
 )
+MAX_STORED_BYTES = PluginSetting(
+    "responses_max_stored_bytes",
+    256 * 1024 * 1024,
+    "bytes the stored responses may take in the database, their histories included (the oldest go first; 0 keeps none)",
+    _count,
+)
 KEY_FILE = PluginSetting(
     "responses_key_file", "", "a file with the 32-byte key that seals encrypted reasoning (raw, hex or base64); empty: a key kept in the database"
 )
@@ -43,6 +50,7 @@ KEY_FILE = PluginSetting(
 @hookimpl
 def millm_register_settings(register: Callable[[PluginSetting[Any]], None]) -> None:
     register(MAX_STORED)
+    register(MAX_STORED_BYTES)
     register(KEY_FILE)
 
 
@@ -50,7 +58,8 @@ def millm_register_settings(register: Callable[[PluginSetting[Any]], None]) -> N
 def millm_startup(app: AppContext) -> None:
     path = KEY_FILE.get(app.settings)
     key = read_key_file(path) if path else stored_key(app.store)
-    app.stash[STATE] = ResponsesState(store=ResponseStore(app.store, MAX_STORED.get(app.settings)), sealer=Sealer(key))
+    store = ResponseStore(app.store, MAX_STORED.get(app.settings), MAX_STORED_BYTES.get(app.settings))
+    app.stash[STATE] = ResponsesState(store=store, sealer=Sealer(key))
 
 
 @hookimpl

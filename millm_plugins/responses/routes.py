@@ -4,20 +4,25 @@ A request is translated (:mod:`.translate`), served as a chat completion through
 one pipeline (``dispatch``, with this request as the outer one: a client that leaves
 cancels it), and its reply translated back (:mod:`.output`, :mod:`.events`). Chat's
 refusals come back with chat's status, code and message, naming this API's fields; the
-chat reply's ``X-miLLM-*`` headers are this response's.
+chat reply's ``X-miLLM-*`` headers are this response's. The tokens are spent once chat
+answers: a response that cannot be stored (the database busy) is still answered, with
+``store: false``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 from starlette.requests import Request
 from starlette.responses import Response
 
 from millm_core.api import (
+    CLIENT_CLOSED,
     Dispatched,
     MillmError,
     NotFound,
@@ -36,7 +41,7 @@ from .sealing import Sealer
 from .storage import ResponseStore
 from .translate import Translation, translate
 
-CLIENT_CLOSED = 499  # the inner request's answer when this request's client left
+log = structlog.get_logger("millm.responses")
 
 
 @dataclass
@@ -88,7 +93,10 @@ async def create_response(request: Request) -> Response:
     state = app_context(request).stash[STATE]
     raw = await read_json(request, dict[str, Any])
     translation = translate(raw, await _stored_history(state, raw), state.sealer)
-    reply = await dispatch(request, "chat.completions", translation.chat, reported=translation.reported, rename=translation.rename)
+    translation.store = translation.store and state.store.enabled
+    reply = await dispatch(
+        request, "chat.completions", translation.chat, reported=translation.reported, rename=translation.rename, unreported=translation.unreported
+    )
     if reply.status == CLIENT_CLOSED:
         return Response(status_code=CLIENT_CLOSED)
     if reply.status != 200:
@@ -96,16 +104,33 @@ async def create_response(request: Request) -> Response:
     headers = reply.millm_headers()
     if reply.streaming:
         stream = ResponseStream(translation, started(translation, headers.get("x-millm-model", "")), state.sealer)
-        return event_stream(_frames(reply, stream, translation, state), headers=headers)
+        return event_stream(_frames(reply, stream, translation, state), headers=headers, on_close=reply.aclose)
     body = from_completion(translation, reply.json(), state.sealer)
-    if translation.store:
-        await asyncio.to_thread(state.store.put, body, translation.history)
+    await _keep(state, translation, body)
     return json_response(body, headers=headers)
 
 
+async def _keep(state: ResponsesState, translation: Translation, response: dict[str, Any]) -> None:
+    """Store a finished response (unless ``store: false``). When it is not kept — the
+    database failed, or it alone is larger than the byte bound — it says ``store: false``:
+    the client is answered all the same (its tokens are spent), and never told that a
+    follow-up could name it."""
+    if not translation.store:
+        return
+    try:
+        kept = await asyncio.to_thread(state.store.put, response, translation.history)
+    except (MillmError, sqlite3.Error) as exc:
+        log.warning("response_not_stored", response_id=response.get("id"), error=str(exc))
+        kept = False
+    if not kept:
+        response["store"] = False
+
+
 async def _frames(reply: Dispatched, stream: ResponseStream, translation: Translation, state: ResponsesState) -> AsyncIterator[bytes]:
-    """The event stream; the finished response is stored (unless ``store: false``). If
-    this response's client leaves, the chat stream is closed with it."""
+    """The event stream; the finished response is stored (unless ``store: false``) before
+    its final event. If this response's client leaves, the chat stream is closed with it. A
+    chat stream that ends without its end (no ``[DONE]``) ends this one with ``error`` and
+    ``response.failed``."""
     async with reply:
         for event in stream.start():
             yield sse(event)
@@ -115,10 +140,13 @@ async def _frames(reply: Dispatched, stream: ResponseStream, translation: Transl
             if stream.response.status == "failed":
                 return
         if not reply.finished:
-            return  # cut short: no final event
+            log.warning("dispatched_stream_cut", request_id=reply.request_id)
+            for event in stream.fail({"code": "internal_error", "message": "the response ended before it was complete"}):
+                yield sse(event)
+            return
         closing = stream.end()
-        if translation.store and stream.final is not None:  # stored before the client hears it is done
-            await asyncio.to_thread(state.store.put, stream.final, translation.history)
+        if stream.final is not None:  # stored before the client hears it is done
+            await _keep(state, translation, stream.final)
         for event in closing:
             yield sse(event)
 

@@ -48,6 +48,7 @@ class MessageItem(msgspec.Struct, tag_field="type", tag="message", kw_only=True)
     phase: str | None | UnsetType = UNSET
 
     def text(self) -> str:
+        """The message's text: its parts joined."""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.refusal if isinstance(p, RefusalText) else p.text for p in self.content)
@@ -72,6 +73,7 @@ class FunctionCallOutputItem(msgspec.Struct, tag_field="type", tag="function_cal
     status: str | UnsetType = UNSET
 
     def text(self) -> str:
+        """What the call returned, as text: its parts joined."""
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
@@ -178,10 +180,11 @@ ENCRYPTED = "reasoning.encrypted_content"
 class ResponsesRequest(msgspec.Struct, kw_only=True):
     """``POST /v1/responses``. ``model``, ``temperature``, ``top_p`` and
     ``parallel_tool_calls`` mean what they mean on chat and are passed to it as sent, like
-    every field this type does not declare (millm's extensions among them)."""
+    every field this type does not declare (millm's extensions among them). ``input`` may
+    be left out (a follow-up of ``previous_response_id`` with new ``instructions`` only)."""
 
     model: str
-    input: str | list[InputItem]
+    input: str | list[InputItem] | UnsetType = UNSET
     instructions: str | None | UnsetType = UNSET
     max_output_tokens: Annotated[int, Meta(ge=1)] | None | UnsetType = UNSET
     temperature: float | None | UnsetType = UNSET

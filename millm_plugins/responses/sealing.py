@@ -1,25 +1,37 @@
 """Encrypted reasoning: ``include: ["reasoning.encrypted_content"]`` seals a reasoning
-item's text with AES-256-GCM under a key only the server holds, so a client can send the
-reasoning back on a later turn without being able to read or alter it.
+item's text with AES-256-GCM under a key only the server holds, so that a client that keeps
+no state (``store: false``) can carry the reasoning to its next turn and the server knows
+that what it renders is what its model wrote.
+
+What this guarantees is the blob's integrity and authenticity, nothing more: a blob that
+opens was sealed by a server holding this key and was not altered. It does not keep the
+reasoning from the client — the same item carries the text in plain ``content`` — and it
+does not stop a client from sending reasoning of its own: a reasoning item with ``content``
+and no ``encrypted_content`` renders whatever text it carries, as any input does.
 
 The key comes from ``--responses-key-file`` (32 bytes, raw or as hex or base64 text), or
-is generated once and kept in the database, so that a sealed item still opens after a
-restart. A blob is ``base64url(version | nonce | ciphertext+tag)``; the version and a fixed
-context string are authenticated with it, so a blob altered in any byte, or sealed by
-another key, does not open.
+is generated once and kept in the database (whoever can read the database file can open
+every blob). A blob is ``base64url(version | key id | nonce | ciphertext+tag)``: the key
+id is the first 4 bytes of the key's SHA-256, so that a blob sealed under another key is
+told apart from an altered one; the version, the key id and a fixed context string are
+authenticated with the text.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import os
 import sqlite3
+from typing import Literal
 
 from millm_core.api import ConfigError, Store
 
 KEY_BYTES = 32
 NONCE_BYTES = 12
+KEY_ID_BYTES = 4
+TAG_BYTES = 16
 VERSION = b"\x01"
 CONTEXT = b"millm responses reasoning v1"
 NAMESPACE = "responses_key"
@@ -64,6 +76,24 @@ def stored_key(store: Store) -> bytes:
         return take(conn)
 
 
+def key_id(key: bytes) -> bytes:
+    """The 4 bytes that name a key in its blobs: the start of its SHA-256."""
+    return hashlib.sha256(key).digest()[:KEY_ID_BYTES]
+
+
+Refusal = Literal["malformed", "other_key", "altered"]
+
+
+class SealError(Exception):
+    """A blob that does not open: ``reason`` says why — ``malformed`` (not a blob of this
+    format), ``other_key`` (sealed under another key: a server with another key file or
+    database), ``altered`` (this key's id, but the text or tag was changed)."""
+
+    def __init__(self, reason: Refusal) -> None:
+        super().__init__(reason)
+        self.reason: Refusal = reason
+
+
 class Sealer:
     """Seals and opens reasoning text under one key."""
 
@@ -73,27 +103,33 @@ class Sealer:
         if len(key) != KEY_BYTES:
             raise ValueError(f"the key must be {KEY_BYTES} bytes")
         self._aead = AESGCM(key)
+        self._kid = key_id(key)
 
     def seal(self, text: str) -> str:
+        """``text`` sealed under this key: a base64url blob, a fresh nonce each time."""
         nonce = os.urandom(NONCE_BYTES)
-        sealed = self._aead.encrypt(nonce, text.encode("utf-8"), VERSION + CONTEXT)
-        return base64.urlsafe_b64encode(VERSION + nonce + sealed).decode("ascii")
+        header = VERSION + self._kid
+        sealed = self._aead.encrypt(nonce, text.encode("utf-8"), header + CONTEXT)
+        return base64.urlsafe_b64encode(header + nonce + sealed).decode("ascii")
 
-    def open(self, blob: str) -> str | None:
-        """The text, or None when ``blob`` was not sealed by this key or was altered."""
+    def open(self, blob: str) -> str:
+        """The text ``blob`` seals; :class:`SealError` when it does not open."""
         from cryptography.exceptions import InvalidTag
 
         try:
             raw = base64.urlsafe_b64decode(blob.encode("ascii"))
         except (ValueError, UnicodeEncodeError, binascii.Error):
-            return None
-        if len(raw) < 1 + NONCE_BYTES + 16 or raw[:1] != VERSION:
-            return None
+            raise SealError("malformed") from None
+        head = len(VERSION) + KEY_ID_BYTES
+        if len(raw) < head + NONCE_BYTES + TAG_BYTES or raw[: len(VERSION)] != VERSION:
+            raise SealError("malformed")
+        if raw[len(VERSION) : head] != self._kid:
+            raise SealError("other_key")
         try:
-            text = self._aead.decrypt(raw[1 : 1 + NONCE_BYTES], raw[1 + NONCE_BYTES :], VERSION + CONTEXT)
+            text = self._aead.decrypt(raw[head : head + NONCE_BYTES], raw[head + NONCE_BYTES :], raw[:head] + CONTEXT)
         except InvalidTag:
-            return None
+            raise SealError("altered") from None
         try:
             return text.decode("utf-8")
         except UnicodeDecodeError:
-            return None
+            raise SealError("altered") from None

@@ -22,7 +22,7 @@ import msgspec
 
 from millm_core.api import InvalidRequest, convert, unknown_fields
 
-from .conversation import Conversation, add_items, renamer
+from .conversation import STORED, Conversation, add_items, renamer
 from .schema import (
     DECLARED,
     ENCRYPTED,
@@ -34,6 +34,7 @@ from .schema import (
     JsonObject,
     JsonSchema,
     MessageItem,
+    ReasoningItem,
     ResponsesRequest,
 )
 from .sealing import Sealer
@@ -70,25 +71,32 @@ NOT_SERVED: dict[str, tuple[Callable[[Any], bool], str]] = {
 @dataclass
 class Translation:
     """A Responses request translated: the chat body, the request's own unused field
-    locations, how chat's locations are named here, and what the Response echoes."""
+    locations, how chat's locations are named here, and what the Response echoes.
+    ``store``: whether the response is kept (the request's ``store``, turned off by the
+    route when the server keeps none, or when keeping it failed)."""
 
     chat: dict[str, Any]
     request: ResponsesRequest
     conversation: Conversation
     history: list[dict[str, Any]]  # the input items before this response's output (stored)
     reported: list[str] = field(default_factory=list)
+    store: bool = True
 
     @property
     def rename(self) -> Callable[[str], str]:
+        """Chat's field locations in this API's names."""
         return renamer(self.conversation)
 
     @property
-    def encrypted(self) -> bool:
-        return ENCRYPTED in (self.request.include or [])
+    def unreported(self) -> Callable[[str], bool]:
+        """Chat's unused field locations that lie in the stored conversation: reported when
+        they were sent, never again on each follow-up."""
+        return self.conversation.stored
 
     @property
-    def store(self) -> bool:
-        return self.request.store is not False
+    def encrypted(self) -> bool:
+        """Whether reasoning items are sealed too (``include``)."""
+        return ENCRYPTED in (self.request.include or [])
 
 
 def _refuse(message: str, param: str, code: str = "unsupported_value") -> InvalidRequest:
@@ -211,6 +219,38 @@ def _present(data: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in data.items() if v is not None and v is not msgspec.UNSET and k != "type"}
 
 
+class _StoredItem(msgspec.Struct):
+    """One stored item (a Struct, so that :func:`convert` names what is wrong in it)."""
+
+    item: InputItem
+
+
+def _stored_items(history: list[dict[str, Any]]) -> list[InputItem]:
+    """The stored conversation's items. A reasoning item renders its stored text: it is
+    kept in plain text beside the response (the database holds the key anyway), so a blob
+    is never opened again, and a follow-up still works after the key changed."""
+    items: list[InputItem] = []
+    for index, raw in enumerate(history):
+        data = raw
+        if isinstance(raw, dict) and raw.get("type") == "reasoning" and raw.get("content"):
+            data = {k: v for k, v in raw.items() if k != "encrypted_content"}
+        try:
+            items.append(convert({"item": data}, _StoredItem).item)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"the stored conversation's item {index} cannot be read: {exc}", param=STORED) from None
+    return items
+
+
+def _kept(item: InputItem, text: str | None) -> dict[str, Any]:
+    """An input item as it is stored: a reasoning item that was sent sealed is kept with
+    the text it rendered, in plain text, and without its blob."""
+    data: dict[str, Any] = msgspec.to_builtins(item)
+    if isinstance(item, ReasoningItem) and isinstance(item.encrypted_content, str) and text is not None:
+        data.pop("encrypted_content", None)
+        data["content"] = [{"type": "reasoning_text", "text": text}]
+    return data
+
+
 def translate(raw: dict[str, Any], history: list[dict[str, Any]], sealer: Sealer | None) -> Translation:
     """Translate a decoded body (``history``: the stored conversation that
     ``previous_response_id`` names, already read). Raises the 400s of this API."""
@@ -226,10 +266,14 @@ def translate(raw: dict[str, Any], history: list[dict[str, Any]], sealer: Sealer
     conversation = Conversation()
     if isinstance(request.instructions, str):
         conversation.system(request.instructions)
-    stored: list[InputItem] = [msgspec.convert(item, InputItem) for item in history]
-    add_items(conversation, [(item, "previous_response_id") for item in stored], sealer)
-    items: list[InputItem] = [MessageItem(role="user", content=request.input)] if isinstance(request.input, str) else request.input
-    add_items(conversation, [(item, f"input[{index}]" if isinstance(request.input, list) else "input") for index, item in enumerate(items)], sealer)
+    add_items(conversation, [(item, STORED) for item in _stored_items(history)], sealer, report=False)
+    items: list[InputItem]
+    if isinstance(request.input, str):
+        items = [MessageItem(role="user", content=request.input)]
+    else:
+        items = request.input if isinstance(request.input, list) else []
+    located = [(item, f"input[{index}]" if isinstance(request.input, list) else "input") for index, item in enumerate(items)]
+    texts = add_items(conversation, located, sealer)
     reported.extend(conversation.unused)
     chat = {name: value for name, value in raw.items() if name not in DECLARED}
     for name in ("model", "temperature", "top_p", "parallel_tool_calls"):
@@ -237,5 +281,7 @@ def translate(raw: dict[str, Any], history: list[dict[str, Any]], sealer: Sealer
             chat[name] = raw[name]
     chat.update(_chat_fields(request))
     chat["messages"] = conversation.messages
-    new_items = [msgspec.to_builtins(item) for item in items]
-    return Translation(chat=chat, request=request, conversation=conversation, history=[*history, *new_items], reported=reported)
+    new_items = [_kept(item, text) for item, text in zip(items, texts, strict=True)]
+    return Translation(
+        chat=chat, request=request, conversation=conversation, history=[*history, *new_items], reported=reported, store=request.store is not False
+    )

@@ -110,6 +110,15 @@ def millm_model_loaded(app: AppContext, model: ServedModel) -> None:
 
 
 @hookimpl
+def millm_model_unloaded(app: AppContext, model: ServedModel) -> None:
+    """The model the attachments were checked against left: check them against the model
+    served now, if any (with none, nothing is marked unusable for a model)."""
+    state = state_of(app)
+    if state.model is model:
+        state.check_model(next(iter(app.models), None))
+
+
+@hookimpl
 def millm_register_commands(register: Callable[[Command], None]) -> None:
     register(COMMAND)
 

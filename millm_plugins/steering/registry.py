@@ -356,9 +356,10 @@ class SteeringState:
             self.live = self._complete(replace(stored, epoch=stored.epoch + 1, version=stored.version + 1), registered)
             persisted.save(conn, self.live, stored)
 
-    def check_model(self, served: ServedModel) -> None:
-        """The resident model is loaded: mark the attachments it cannot take (not
-        steerable, another residual width, a layer it does not have). Quick: no I/O."""
+    def check_model(self, served: ServedModel | None) -> None:
+        """The resident model is loaded (or, None, unloaded): mark the attachments it
+        cannot take (not steerable, another residual width, a layer it does not have).
+        Quick: no I/O."""
         self.model = served
         self.live = self._derived(self.live)
 

@@ -198,3 +198,58 @@ def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.02) ->
             return True
         time.sleep(interval)
     return False
+
+
+# ------------------------------------------------------------------ /v1/responses
+
+
+def seal_reasoning(text: str, key: bytes) -> str:
+    """Encrypted reasoning in the documented format, written with the cryptography package
+    directly: base64url(version 1 | key id: the first 4 bytes of the key's SHA-256 |
+    12-byte nonce | AES-256-GCM(text) with its tag), the version, key id and context
+    string authenticated."""
+    import base64
+    import hashlib
+    import os
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    header = b"\x01" + hashlib.sha256(key).digest()[:4]
+    nonce = os.urandom(12)
+    return base64.urlsafe_b64encode(header + nonce + AESGCM(key).encrypt(nonce, text.encode(), header + b"millm responses reasoning v1")).decode()
+
+
+def open_reasoning(blob: str, key: bytes) -> str:
+    """The text of an encrypted reasoning blob (the documented format), opened with ``key``."""
+    import base64
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    raw = base64.urlsafe_b64decode(blob)
+    header, nonce, sealed = raw[:5], raw[5:17], raw[17:]
+    return AESGCM(key).decrypt(nonce, sealed, header + b"millm responses reasoning v1").decode()
+
+
+class FinalizeRecorder:
+    """Records ``outcome.cancelled`` of every generation's finalize."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[bool] = []
+
+    @hookimpl
+    def millm_finalize(self, ctx: Any, request: Any, outcome: Any, out: Any) -> None:
+        if outcome.kind == "generation":
+            self.cancelled.append(bool(outcome.cancelled))
+
+
+def sdk_validate(response: dict[str, Any] | None = None, events: list[dict[str, Any]] | None = None) -> None:
+    """Validate a Response, and every event of a stream, strictly with the openai SDK's own
+    pydantic types (what its parsers would build), failing on the first that does not fit."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    if response is not None:
+        Response.model_validate(response, strict=True)
+    adapter: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+    for event in events or []:
+        adapter.validate_python(event, strict=True)

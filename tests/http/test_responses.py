@@ -10,6 +10,7 @@ The tiny model has random weights: tests compare shapes and mappings, never mean
 from __future__ import annotations
 
 import json
+import socket
 from typing import Any
 
 import http_sfv
@@ -18,11 +19,12 @@ import jsonschema
 import openai
 import pytest
 
-from millm_core.api import Finalization, Outcome, RequestContext, hookimpl
+from millm_core.api import DatabaseBusy, Finalization, ForwardPlan, Outcome, RequestContext, RowEnd, hookimpl
 from millm_core.config import load_settings
 from millm_core.server.app import build_host
+from millm_plugins.responses.routes import STATE
 
-from .helpers import FaultPlugin, GatePlugin, chat_ids, scheduler_stats, wait_until
+from .helpers import FaultPlugin, FinalizeRecorder, GatePlugin, chat_ids, scheduler_stats, sdk_validate, wait_until
 
 QUESTION = "Tell me about the sea"
 
@@ -175,22 +177,86 @@ def test_millm_extensions_pass_through_and_unknown_fields_are_reported(server) -
     assert strict.json()["error"]["param"] == "tools[0].defer_loading"
 
 
+def test_every_response_and_event_fits_the_sdks_types(make_server) -> None:  # type: ignore[no-untyped-def]
+    host = build_host(load_settings(environ={}))
+    host.register(FaultPlugin(), "fault")
+    with make_server(host=host) as srv:
+        stop, _ = _stop_after(srv)
+        for body in ({"max_output_tokens": 12, "stop": stop}, {"max_output_tokens": 3}):  # completed, incomplete
+            response = _post(srv, input=QUESTION, **body).json()
+            sdk_validate(response)
+            events = _events(_post(srv, input=QUESTION, stream=True, **body).content)
+            assert events[-1]["type"] in ("response.completed", "response.incomplete")
+            sdk_validate(events[-1]["response"], events)
+        resp = httpx.post(
+            srv.base_url + "/v1/responses",
+            json={"model": "tiny", "input": QUESTION, "max_output_tokens": 20, "stream": True},
+            headers={"X-Test-Fault": "raise:3"},
+            timeout=60,
+        )
+        failed = _events(resp.content)
+        assert failed[-1]["type"] == "response.failed"
+        sdk_validate(failed[-1]["response"], failed)
+
+
 class _Marker:
-    """Adds a body extension to every reply, as probes and activations do."""
+    """Adds a body extension to every reply, as probes and activations do, one named like a
+    Response field, and a key on each choice (as the reasoning plugin's
+    ``thinking_budget_forced_at``)."""
 
     @hookimpl
     def millm_finalize(self, ctx: RequestContext, request: Any, outcome: Outcome, out: Finalization) -> None:
         out.extend("marker", {"tokens": outcome.completion_tokens}, order=40)
+        out.extend("metadata", "the plugin's", order=41)
+
+    @hookimpl
+    def millm_pre_forward(self, ctx: RequestContext, request: Any, plan: ForwardPlan) -> None:
+        plan.add_processor(lambda _row: _ChoiceKey())
 
 
-def test_body_extensions_become_top_level_keys(make_server) -> None:  # type: ignore[no-untyped-def]
+class _ChoiceKey:
+    def logit_bias(self) -> None:
+        return None
+
+    def on_token(self, token_id: int, text: str) -> tuple[str, bool]:
+        return text, False
+
+    def flush(self) -> str:
+        return ""
+
+    def end(self, finish_reason: str) -> RowEnd:
+        return RowEnd(choice={"marker_choice": finish_reason})
+
+
+def test_body_extensions_and_choice_keys_become_top_level_keys(make_server) -> None:  # type: ignore[no-untyped-def]
     host = build_host(load_settings(environ={}))
     host.register(_Marker(), "marker")
     with make_server(host=host) as srv:
-        whole = _post(srv, input=QUESTION, max_output_tokens=4).json()
-        assert whole["marker"] == {"tokens": 4}
-        final = _events(_post(srv, input=QUESTION, max_output_tokens=4, stream=True).content)[-1]["response"]
-        assert final["marker"] == {"tokens": 4} and final["millm_steering"]
+        whole = _post(srv, input=QUESTION, max_output_tokens=4, metadata={"run": "1"}).json()
+        assert whole["marker"] == {"tokens": 4} and whole["marker_choice"] == "length"
+        # Never dropped, never replacing the Response's own field: kept apart.
+        assert whole["metadata"] == {"run": "1"} and whole["millm_extensions"] == {"metadata": "the plugin's"}
+        final = _events(_post(srv, input=QUESTION, max_output_tokens=4, metadata={"run": "1"}, stream=True).content)[-1]["response"]
+        assert final["marker"] == {"tokens": 4} and final["millm_steering"] and final["marker_choice"] == "length"
+        assert final["metadata"] == {"run": "1"} and final["millm_extensions"] == {"metadata": "the plugin's"}
+
+
+def test_a_response_the_database_cannot_keep_is_answered_with_store_false(make_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    with make_server() as srv:
+        store = srv.app.state.millm.app.stash[STATE].store
+
+        def busy(response: dict[str, Any], history: list[dict[str, Any]]) -> bool:
+            raise DatabaseBusy("the database is locked")
+
+        monkeypatch.setattr(store, "put", busy)
+        resp = _post(srv, input=QUESTION, max_output_tokens=4)
+        assert resp.status_code == 200 and resp.json()["store"] is False and resp.json()["output"]
+        events = _events(_post(srv, input=QUESTION, max_output_tokens=4, stream=True).content)
+        assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["store"] is False
+        monkeypatch.undo()
+        for rid in (resp.json()["id"], events[-1]["response"]["id"]):
+            assert httpx.get(srv.base_url + f"/v1/responses/{rid}").status_code == 404
+        assert _post(srv, input=QUESTION, max_output_tokens=4).json()["store"] is True
 
 
 def test_text_format_json_schema_is_structured_output(server) -> None:  # type: ignore[no-untyped-def]
@@ -259,28 +325,57 @@ def test_a_stream_that_fails_after_its_200_ends_with_response_failed(make_server
         assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
         assert events[-2]["code"] == "internal_error"
         failed = events[-1]["response"]
-        assert failed["status"] == "failed" and failed["error"]["code"] == "internal_error"
+        assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"  # OpenAI's code; the error event has millm's
         with _client(srv).responses.stream(model="tiny", input=QUESTION, max_output_tokens=20, extra_headers={"X-Test-Fault": "raise:3"}) as stream:
             seen = list(stream)
         assert [e.type for e in seen[-2:]] == ["error", "response.failed"]
-        assert seen[-1].response.status == "failed" and seen[-1].response.error.code == "internal_error"  # type: ignore[union-attr]
+        assert seen[-1].response.status == "failed" and seen[-1].response.error.code == "server_error"  # type: ignore[union-attr]
 
 
-def test_a_client_leaving_a_stream_frees_its_rows(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_client_leaving_a_stream_frees_its_rows_and_is_finalized(make_server) -> None:  # type: ignore[no-untyped-def]
     host = build_host(load_settings(environ={}))
     slow = GatePlugin(delay=0.02)  # 20 ms a token: 400 tokens would take 8 s
     slow.gate.set()
     host.register(slow, "slow")
+    recorder = FinalizeRecorder()
+    host.register(recorder, "recorder")
     with make_server(host=host) as srv:
         body = {"model": "tiny", "input": QUESTION, "max_output_tokens": 400, "temperature": 0, "stream": True}
         with httpx.stream("POST", srv.base_url + "/v1/responses", json=body) as resp:
             lines = resp.iter_lines()
-            assert [next(lines) for _ in range(12)]
+            first = [next(lines) for _ in range(12)]
             assert scheduler_stats(srv.base_url)["active_rows"] == 1
+        created = json.loads(first[1][len("data: ") :])
+        assert created["type"] == "response.created"
         assert wait_until(lambda: scheduler_stats(srv.base_url)["cancelled_rows"] == 1)
         stats = scheduler_stats(srv.base_url)
         assert stats["active_rows"] == 0 and stats["generated_tokens"] < 200
-        assert httpx.get(srv.base_url + "/v1/responses/none").status_code == 404  # nothing half-done was stored
+        # The chat stream's own end ran: its finalize hooks heard it was interrupted.
+        assert wait_until(lambda: recorder.cancelled == [True]), recorder.cancelled
+        stored = httpx.get(srv.base_url + f"/v1/responses/{created['response']['id']}")
+        assert stored.status_code == 404  # nothing half-done was stored
+
+
+def test_a_client_leaving_a_non_streamed_response_frees_its_rows(make_server) -> None:  # type: ignore[no-untyped-def]
+    host = build_host(load_settings(environ={}))
+    slow = GatePlugin(delay=0.02)
+    slow.gate.set()
+    host.register(slow, "slow")
+    with make_server(host=host) as srv:
+        store = srv.app.state.millm.app.stash[STATE].store
+        port = int(srv.base_url.rsplit(":", 1)[1])
+        body = json.dumps({"model": "tiny", "input": QUESTION, "max_output_tokens": 400, "temperature": 0}).encode()
+        request = (
+            b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+        )  # fmt: skip
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(request)
+            assert wait_until(lambda: scheduler_stats(srv.base_url)["active_rows"] == 1)
+        assert wait_until(lambda: scheduler_stats(srv.base_url)["cancelled_rows"] == 1)
+        stats = scheduler_stats(srv.base_url)
+        assert stats["active_rows"] == 0 and stats["generated_tokens"] < 200
+        assert store.count() == 0  # nothing was stored for the client that left
 
 
 def test_the_routes_are_in_the_openapi_document(server) -> None:  # type: ignore[no-untyped-def]

@@ -1,8 +1,10 @@
 """``/v1/responses`` on a reasoning model (the tiny model with a Qwen3-style template, served
 as ``tiny-think``, with the reasoning plugin): chat's ``reasoning_content`` becomes a
-reasoning item, streamed as reasoning-text events; reasoning tokens and a forced close are
-reported; encrypted reasoning round trips, across a restart when the key is kept in the
-database, and is refused by another server.
+reasoning item, streamed as reasoning-text events; reasoning tokens, tokens the loop guard
+took back and a forced close are reported; reasoning cut by the budget ends the same
+streamed or not; encrypted reasoning round trips (the blob opens with the database's key),
+across a restart when the key is kept in the database, and is refused by another server;
+what a stored conversation carries unused is reported once, never on its follow-ups.
 
 ``chat_template_kwargs: {"open_thinking": true}`` (a chat extension, passed through
 unchanged) opens the block in the prompt, and a thinking budget forces its close, so a
@@ -18,6 +20,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+
+from millm_core.config import load_settings
+from millm_core.server.app import build_host
+
+from ..reasoning.helpers import ScriptPlugin
+from .helpers import open_reasoning, sdk_validate
 
 QUESTION = "What is two plus two?"
 THINK = {"thinking_budget": 5, "chat_template_kwargs": {"open_thinking": True}}
@@ -78,6 +86,8 @@ def test_reasoning_streams_as_reasoning_text_events(reasoning_server) -> None:  
     sdk = list(openai.OpenAI(base_url=reasoning_server.base_url + "/v1", api_key="x", max_retries=0).responses.create(
         model="tiny-think", input=QUESTION, temperature=0, max_output_tokens=20, stream=True, extra_body=THINK))  # fmt: skip
     assert "".join(e.delta for e in sdk if e.type == "response.reasoning_text.delta") == reasoning_text  # type: ignore[union-attr]
+    sdk_validate(whole)
+    sdk_validate(final, events)
 
 
 def _follow_up(reasoning_item: dict[str, Any], message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -92,7 +102,8 @@ def test_encrypted_reasoning_round_trips_and_renders_as_the_reasoning(reasoning_
     response = _respond(reasoning_server, max_output_tokens=20, include=["reasoning.encrypted_content"], store=False).json()
     reasoning, message = response["output"]
     sealed = reasoning["encrypted_content"]
-    assert isinstance(sealed, str) and reasoning["content"][0]["text"] not in sealed
+    [(key,)] = reasoning_server.app.state.millm.app.store.query("SELECT key FROM responses_key")
+    assert open_reasoning(sealed, bytes(key)) == reasoning["content"][0]["text"]  # sealed under the database's key
     opened = _input_tokens(reasoning_server, _follow_up({"type": "reasoning", "summary": [], "encrypted_content": sealed}, message))
     plain = _input_tokens(reasoning_server, _follow_up({k: v for k, v in reasoning.items() if k != "encrypted_content"}, message))
     messages = [
@@ -141,3 +152,61 @@ def test_reasoning_effort_is_chats_reasoning_effort(reasoning_server, effort: st
     # what chat reports unused as reasoning_effort is reported here by this API's name
     renamed = chat.headers.get("x-millm-ignored-fields", "").replace('"reasoning_effort"', '"reasoning.effort"')
     assert resp.headers.get("x-millm-ignored-fields", "") == renamed
+
+
+def test_reasoning_cut_by_the_budget_is_the_incomplete_item_streamed_or_not(reasoning_server) -> None:  # type: ignore[no-untyped-def]
+    body = {"thinking_budget": 50, "max_output_tokens": 4}
+    whole = _respond(reasoning_server, **body).json()
+    resp = _respond(reasoning_server, stream=True, **body)
+    events = [json.loads(frame.split("\ndata: ", 1)[1]) for frame in resp.text.split("\n\n") if frame]
+    final = events[-1]["response"]
+    for response in (whole, final):
+        assert response["status"] == "incomplete"
+        [reasoning] = response["output"]  # no empty message after it
+        assert reasoning["type"] == "reasoning" and reasoning["status"] == "incomplete" and reasoning["content"][0]["text"]
+    assert final["output"][0]["content"] == whole["output"][0]["content"]
+    assert [e["item"]["status"] for e in events if e["type"] == "response.output_item.done"] == ["incomplete"]
+    sdk_validate(whole)
+    sdk_validate(final, events)
+
+
+def test_tokens_the_loop_guard_took_back_are_rewound_tokens(make_server, reasoning_model) -> None:  # type: ignore[no-untyped-def]
+    host = build_host(load_settings(environ={}))
+    host.register(ScriptPlugin(), "script")
+    [token] = reasoning_model.engine.encode(" no", add_special_tokens=False)[:1]
+    headers = {"x-script": json.dumps([token] * 20)}  # a loop: the guard takes a repeat back
+    with make_server(host=host, models=[reasoning_model]) as srv:
+        payload = {"model": "tiny-think", "temperature": 0, "chat_template_kwargs": {"open_thinking": True}}
+        chat = httpx.post(srv.base_url + "/v1/chat/completions", json={**payload, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 30},
+                          headers=headers, timeout=120).json()  # fmt: skip
+        details = chat["usage"]["completion_tokens_details"]
+        assert details["rewound_tokens"] >= 1
+        whole = httpx.post(srv.base_url + "/v1/responses", json={**payload, "input": QUESTION, "max_output_tokens": 30}, headers=headers, timeout=120).json()
+        streamed = httpx.post(srv.base_url + "/v1/responses", json={**payload, "input": QUESTION, "max_output_tokens": 30, "stream": True},
+                              headers=headers, timeout=120)  # fmt: skip
+        final = [json.loads(f.split("\ndata: ", 1)[1]) for f in streamed.text.split("\n\n") if f][-1]["response"]
+    for response in (whole, final):
+        assert response["usage"]["output_tokens_details"] == details  # {reasoning_tokens, rewound_tokens}
+        assert response["usage"]["output_tokens"] == chat["usage"]["completion_tokens"]
+
+
+def test_what_a_stored_conversation_carries_unused_is_not_reported_again(reasoning_server) -> None:  # type: ignore[no-untyped-def]
+    summary = [{"type": "summary_text", "text": "Adding."}]
+    items = [
+        {"role": "user", "content": QUESTION},
+        {"type": "reasoning", "summary": summary, "content": [{"type": "reasoning_text", "text": "Two and two."}]},
+        {"role": "assistant", "content": "Four."},
+        {"role": "user", "content": "Sure?"},
+    ]
+    first = httpx.post(reasoning_server.base_url + "/v1/responses", json={"model": "tiny-think", "input": items, "max_output_tokens": 4}, timeout=120)
+    assert first.status_code == 200 and first.headers["x-millm-ignored-fields"] == '"input[1].summary"'  # beside content: never rendered
+    strict = {"X-miLLM-Strict": "true"}
+    # On the same model, and on one whose template has no reasoning (tiny): the stored
+    # reasoning is not reported again, and strict mode lets the conversation go on.
+    for model in ("tiny-think", "tiny"):
+        body = {"model": model, "previous_response_id": first.json()["id"], "input": "Why?", "max_output_tokens": 2}
+        follow = httpx.post(reasoning_server.base_url + "/v1/responses", json=body, headers=strict, timeout=120)
+        assert follow.status_code == 200, (model, follow.text)
+        assert "x-millm-ignored-fields" not in follow.headers
+    sent = httpx.post(reasoning_server.base_url + "/v1/responses", json={"model": "tiny", "input": items[1:], "max_output_tokens": 2}, timeout=120)
+    assert sent.headers["x-millm-ignored-fields"] == '"input[0].summary", "input[0]"'  # sent now: reported

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 from typing import Any
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from .helpers import chat_ids
+from .helpers import chat_ids, seal_reasoning
 from .test_tools import WEATHER as CHAT_WEATHER
 
 QUESTION = "Tell me about the sea"
@@ -95,9 +93,40 @@ def test_the_oldest_stored_responses_are_evicted(make_server) -> None:  # type: 
         found = [httpx.get(srv.base_url + f"/v1/responses/{rid}").status_code for rid in ids]
         assert found == [404, 200, 200]
         assert httpx.get(srv.base_url + f"/v1/responses/{ids[0]}").json()["error"]["code"] == "response_not_found"
-    with make_server(responses_max_stored=0) as srv:
-        rid = _post(srv, input=QUESTION, max_output_tokens=2).json()["id"]
-        assert httpx.get(srv.base_url + f"/v1/responses/{rid}").status_code == 404
+    # Nothing is kept: a response says so (store: false), streamed or not.
+    for bound in ({"responses_max_stored": 0}, {"responses_max_stored_bytes": 0}, {"responses_max_stored_bytes": 100}):
+        with make_server(**bound) as srv:
+            response = _post(srv, input=QUESTION, max_output_tokens=2).json()
+            assert response["store"] is False, bound
+            assert httpx.get(srv.base_url + f"/v1/responses/{response['id']}").status_code == 404
+            final = _stream_events(srv, input=QUESTION, max_output_tokens=2)[-1]["response"]
+            assert final["store"] is False, bound
+
+
+def _stream_events(server: Any, **body: Any) -> list[dict[str, Any]]:
+    resp = _post(server, stream=True, **body)
+    assert resp.status_code == 200, resp.text
+    return [json.loads(frame.split("\ndata: ", 1)[1]) for frame in resp.text.split("\n\n") if frame]
+
+
+def test_a_streamed_response_with_store_false_is_not_stored(server) -> None:  # type: ignore[no-untyped-def]
+    events = _stream_events(server, input=QUESTION, max_output_tokens=3, store=False)
+    assert events[0]["response"]["store"] is False and events[-1]["response"]["store"] is False
+    rid = events[-1]["response"]["id"]
+    assert httpx.get(server.base_url + f"/v1/responses/{rid}").status_code == 404
+    follow = _post(server, previous_response_id=rid, input=FOLLOW_UP, max_output_tokens=2)
+    assert follow.status_code == 404 and follow.json()["error"]["param"] == "previous_response_id"
+
+
+def test_a_follow_up_may_send_instructions_alone(server, tiny_engine) -> None:  # type: ignore[no-untyped-def]
+    first = _post(server, input=QUESTION, max_output_tokens=4).json()
+    follow = _post(server, previous_response_id=first["id"], instructions="Be terse.", max_output_tokens=4)
+    assert follow.status_code == 200, follow.text
+    text = first["output"][0]["content"][0]["text"]
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": QUESTION}, {"role": "assistant", "content": text}]
+    chat = _chat(server, "tiny", messages, max_tokens=4)
+    assert follow.json()["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    assert follow.json()["output"][0]["content"][0]["text"] == chat["choices"][0]["message"]["content"]
 
 
 # The chat tests' function, in the Responses shape (the same fields, one level up).
@@ -155,12 +184,7 @@ REASONING = "The user asks about the sea; waves come to mind."
 
 
 def _seal(text: str, key: bytes = KEY) -> str:
-    """The documented blob format, written with the cryptography package directly:
-    base64url(version 1 | 12-byte nonce | AES-256-GCM(text) with its tag), the version and
-    the context string authenticated."""
-    nonce = os.urandom(12)
-    sealed = AESGCM(key).encrypt(nonce, text.encode(), b"\x01millm responses reasoning v1")
-    return base64.urlsafe_b64encode(b"\x01" + nonce + sealed).decode()
+    return seal_reasoning(text, key)
 
 
 @pytest.fixture(scope="module")
@@ -199,8 +223,8 @@ def test_an_encrypted_reasoning_item_is_opened_and_rendered(keyed_server) -> Non
     assert _input_tokens(keyed_server, _turn({"content": [{"type": "reasoning_text", "text": REASONING}]})) == rendered
 
 
-@pytest.mark.parametrize("blob", ["tampered", "foreign", "garbage"])
-def test_a_blob_this_server_did_not_seal_is_refused_naming_the_item(keyed_server, blob: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("blob", "says"), [("tampered", "was altered"), ("foreign", "another key"), ("garbage", "not encrypted reasoning")])
+def test_a_blob_this_server_did_not_seal_is_refused_naming_the_item_and_why(keyed_server, blob: str, says: str) -> None:  # type: ignore[no-untyped-def]
     sealed = _seal(REASONING)
     raw = bytearray(base64.urlsafe_b64decode(sealed))
     raw[20] ^= 1
@@ -213,3 +237,26 @@ def test_a_blob_this_server_did_not_seal_is_refused_naming_the_item(keyed_server
     assert resp.status_code == 400
     error = resp.json()["error"]
     assert error["param"] == "input[1].encrypted_content" and error["code"] == "invalid_encrypted_content"
+    assert says in error["message"], error["message"]
+
+
+def test_a_new_key_refuses_old_blobs_by_name_and_stored_conversations_go_on(make_server, reasoning_model, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    db = str(tmp_path / "millm.db")
+    keys = {}
+    for name, key in (("old", KEY), ("new", bytes(range(32, 64)))):
+        keys[name] = tmp_path / f"{name}.key"
+        keys[name].write_text(key.hex())
+    ask = {"model": "tiny-think", "max_output_tokens": 6, "temperature": 0}
+    with make_server(models=[reasoning_model], db=db, responses_key_file=str(keys["old"])) as old:
+        # Sent sealed, and answered with sealed reasoning of its own.
+        first = httpx.post(old.base_url + "/v1/responses", json={**ask, "input": _turn({"encrypted_content": _seal(REASONING)}),
+                                                                 "include": ["reasoning.encrypted_content"]}, timeout=120).json()  # fmt: skip
+        assert first["output"][0]["type"] == "reasoning" and first["output"][0]["encrypted_content"]
+        before = httpx.post(old.base_url + "/v1/responses", json={**ask, "previous_response_id": first["id"], "input": "More"}, timeout=120)
+    with make_server(models=[reasoning_model], db=db, responses_key_file=str(keys["new"])) as new:
+        after = httpx.post(new.base_url + "/v1/responses", json={**ask, "previous_response_id": first["id"], "input": "More"}, timeout=120)
+        assert after.status_code == 200, after.text  # rendered from the stored text: no blob is opened again
+        assert after.json()["usage"]["input_tokens"] == before.json()["usage"]["input_tokens"]
+        reasoning = {k: v for k, v in first["output"][0].items() if k != "content"}
+        again = httpx.post(new.base_url + "/v1/responses", json={**ask, "input": [*_turn({})[:1], reasoning, *_turn({})[2:]]}, timeout=120)
+        assert again.status_code == 400 and "another key" in again.json()["error"]["message"]

@@ -133,52 +133,63 @@ async def serve(request: Request, endpoint: Endpoint) -> Response:
     return await respond_to(admission, lambda work: until_disconnect(request, work))
 
 
-def _report_unused(ctx: RequestContext, reported: Sequence[str], rename: Callable[[str], str] | None) -> None:
+def _report_unused(
+    ctx: RequestContext, reported: Sequence[str], rename: Callable[[str], str] | None, unreported: Callable[[str], bool] | None = None
+) -> None:
     """Strict mode and the unused-fields log, once every place that can report a field
-    ran; a caller serving this request for another API adds its own locations first and
-    names the endpoint's in its own terms (``rename``)."""
-    if reported or rename is not None:
-        ctx.ignored_fields[:] = [*reported, *(map(rename, ctx.ignored_fields) if rename is not None else ctx.ignored_fields)]
+    ran; a caller serving this request for another API adds its own locations first,
+    leaves out those of the body it made itself (``unreported``, on the endpoint's
+    locations) and names the rest in its own terms (``rename``)."""
+    if reported or rename is not None or unreported is not None:
+        own = [loc for loc in ctx.ignored_fields if unreported is None or not unreported(loc)]
+        ctx.ignored_fields[:] = [*reported, *(map(rename, own) if rename is not None else own)]
     refuse_unused_if_strict(ctx)
     log_unused(ctx)
 
 
 async def respond_to(
-    admission: Admission, guard: Guard, *, reported: Sequence[str] = (), rename: Callable[[str], str] | None = None
+    admission: Admission,
+    guard: Guard,
+    *,
+    reported: Sequence[str] = (),
+    rename: Callable[[str], str] | None = None,
+    unreported: Callable[[str], bool] | None = None,
 ) -> Response:
     """Admit a decoded request and serve it: the first plugin that takes it
     (``millm_execute``) runs it. A stream is returned as soon as it may start; it notices
-    a disconnect itself. ``reported`` and ``rename``: see :func:`_report_unused`."""
+    a disconnect itself. ``reported``, ``rename`` and ``unreported``: see :func:`_report_unused`."""
     state, ctx, body = admission.state, admission.ctx, admission.request
     endpoint = ctx.endpoint
     model = admit(admission)
-    if endpoint != "embeddings":
-        await render_prompts(
-            ctx, body, model, state.render_pool, RENDER_TIMEOUT_S, adjust=lambda chat: state.host.render_chat(ctx, body, model, chat)
-        )
-    execution = state.host.execute(ctx, body, model)
-    if isinstance(execution, Generate) and endpoint != "embeddings":
-        prepared = prepare_generation(state, ctx, body, model)
-        try:
-            _report_unused(ctx, reported, rename)  # after every place that can report a field
-            shapes = CHAT_SHAPES if endpoint == "chat.completions" else COMPLETION_SHAPES
-            if ctx.stream:
-                return stream(state, prepared, shapes)  # a stream notices a disconnect itself, and releases its claim
-            return await guard(complete(state, prepared, shapes))
-        except BaseException:
-            prepared.release()
-            raise
-        finally:
-            if not ctx.stream:
+    # Counted on its model until it ends (an unload waits for it); refused first while the model unloads or another is locked.
+    with state.lifecycle.admitted(model) as hold:
+        if endpoint != "embeddings":
+            await render_prompts(
+                ctx, body, model, state.render_pool, RENDER_TIMEOUT_S, adjust=lambda chat: state.host.render_chat(ctx, body, model, chat)
+            )
+        execution = state.host.execute(ctx, body, model)
+        if isinstance(execution, Generate) and endpoint != "embeddings":
+            prepared = prepare_generation(state, ctx, body, model)
+            try:
+                _report_unused(ctx, reported, rename, unreported)  # after every place that can report a field
+                shapes = CHAT_SHAPES if endpoint == "chat.completions" else COMPLETION_SHAPES
+                if ctx.stream:
+                    return hold(stream(state, prepared, shapes))  # a stream notices a disconnect itself, and releases its claim
+                return await guard(complete(state, prepared, shapes))
+            except BaseException:
                 prepared.release()
-    if isinstance(execution, Compute):
-        _report_unused(ctx, reported, rename)
-        run = execution.run
+                raise
+            finally:
+                if not ctx.stream:
+                    prepared.release()
+        if isinstance(execution, Compute):
+            _report_unused(ctx, reported, rename, unreported)
+            run = execution.run
 
-        async def computed() -> Response:
-            return reply(state, ctx, body, model, await run())
+            async def computed() -> Response:
+                return reply(state, ctx, body, model, await run())
 
-        return await guard(computed())
+            return await guard(computed())
     enabled = ", ".join(n for n in state.host.names() if n != "core") or "none"
     raise FieldNotHonoured(
         f"no enabled plugin serves this {endpoint} request (enabled plugins: {enabled})"

@@ -32,7 +32,10 @@ def card(model: ServedModel) -> ModelCard:
 
 async def list_models(request: Request) -> Response:
     state = app_state(request)
-    return Response(encode(ModelList(data=[card(m) for m in state.models])), media_type="application/json")
+    locked = state.lifecycle.locked  # a locked server lists its one model
+    return Response(
+        encode(ModelList(data=[card(m) for m in state.models if locked in (None, m.info.served_name)])), media_type="application/json"
+    )
 
 
 async def get_model(request: Request) -> Response:

@@ -1,0 +1,224 @@
+"""The model lifecycle routes: ``GET /api/models`` (every model this server can serve)
+and ``POST /api/models/{id}/load | unload | lock | unlock``.
+
+A load runs on the model thread, as the start-up load does, then ``millm_model_loaded``;
+an unload refuses new requests for the model (503 ``model_busy``), waits for its running
+ones up to ``--graceful-unload-timeout`` (then cancels them), drops it from the registry
+and runs ``millm_model_unloaded``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+
+import structlog
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ...codec import encode
+from ...engine import Engine
+from ...errors import ConfigError, MillmError, ModelLoadFailed, ModelLocked, ModelNotFound, OutOfMemory
+from ...lifecycle import Candidate, ModelCatalog, ModelEntry, candidates, engine_for, marked
+from ...loading import choose_engine
+from ...openapi import RouteDoc
+from ...registry import ServedModel
+from ..state import AppState
+from .common import app_state
+
+log = structlog.get_logger("millm.lifecycle")
+
+# Cancelled requests leave the model within a decode step; this long at most is waited for them.
+CANCEL_GRACE_S = 5.0
+
+
+def _json(entry: ModelEntry | ModelCatalog) -> Response:
+    return Response(encode(entry), media_type="application/json")
+
+
+def _entry(state: AppState, name: str, candidate: Candidate | None, engine: str | None = None) -> ModelEntry:
+    lifecycle = state.lifecycle
+    model = state.models.get(name)
+    return ModelEntry(
+        id=name,
+        engine=model.info.engine if model is not None else engine,
+        state=lifecycle.state_of(name, state.models),
+        locked=lifecycle.locked == name,
+        source=candidate.source if candidate is not None else "loaded",
+    )
+
+
+def _scan(state: AppState) -> tuple[dict[str, Candidate], dict[str, str | None]]:
+    """The loadable models and the engine each would use (off the event loop: it reads
+    directories, and an engine's check may import its library)."""
+    found = candidates(state.settings, state.host)
+    return found, {name: engine_for(c, state.settings, state.host) for name, c in found.items()}
+
+
+async def catalog(state: AppState) -> ModelCatalog:
+    """The loaded models first, then every other model the server could load, by id."""
+    found, engines = await asyncio.to_thread(_scan, state)
+    names = [m.info.served_name for m in state.models]
+    names += sorted(n for n in {*found, *state.lifecycle.loading} if n not in names)
+    return ModelCatalog(data=[_entry(state, name, found.get(name), engines.get(name)) for name in names])
+
+
+async def list_catalog(request: Request) -> Response:
+    """``GET /api/models``."""
+    return _json(await catalog(app_state(request)))
+
+
+def _model_id(request: Request) -> str:
+    return str(request.path_params["model_id"])
+
+
+def _weights_mib(path: str) -> float:
+    """What the model's files take on disk, in MiB (the figure an out-of-memory load reports)."""
+    if os.path.isfile(path):
+        return os.path.getsize(path) / 2**20
+    total = 0
+    for folder, _dirs, files in os.walk(path):
+        total += sum(os.path.getsize(os.path.join(folder, f)) for f in files if f.endswith((".safetensors", ".bin", ".gguf", ".pt")))
+    return total / 2**20
+
+
+def _load_on_model_thread(state: AppState, candidate: Candidate) -> ServedModel:
+    """Locate and load ``candidate`` (on the model thread), typed errors out."""
+    location = candidate.locate()
+    try:
+        factory = choose_engine(location, state.settings, state.host)
+    except ConfigError as exc:
+        raise ModelLoadFailed(f"'{candidate.id}' cannot be loaded: no installed engine serves it") from exc
+    log.info("model_loading", model=candidate.id, engine=factory.name)
+    try:
+        engine = factory.load(location, state.settings)
+    except MillmError:
+        raise  # an engine's own typed refusal (unsupported_quantization, insufficient_memory, …)
+    except MemoryError as exc:
+        raise OutOfMemory(
+            f"'{candidate.id}' does not fit in memory: its weights take {_weights_mib(location.path):.0f} MiB on disk"
+        ) from exc
+    except Exception as exc:
+        # torch's OutOfMemoryError is no MemoryError; the core never imports torch, so the class is told by name.
+        if type(exc).__name__ == "OutOfMemoryError":
+            raise OutOfMemory(
+                f"'{candidate.id}' does not fit in the device's memory: its weights take {_weights_mib(location.path):.0f} MiB on disk"
+            ) from exc
+        raise ModelLoadFailed(
+            f"loading '{candidate.id}' with the {factory.name} engine failed ({type(exc).__name__}); the server log has the details"
+        ) from exc
+    if not isinstance(engine, Engine):
+        raise ModelLoadFailed(f"the {factory.name} engine plugin's load() returned no Engine for '{candidate.id}'")
+    return ServedModel(info=engine.info, engine=engine)
+
+
+async def load_model(state: AppState, name: str) -> ModelEntry:
+    """Load the model ``name`` names and serve it; its entry. Idempotent for a loaded model."""
+    lifecycle = state.lifecycle
+    if state.models.get(name) is not None and name not in lifecycle.unloading:
+        return _entry(state, name, None)
+    lifecycle.check_lock(name, "loading")
+    if lifecycle.busy:
+        doing = ", ".join(sorted(lifecycle.loading | lifecycle.unloading))
+        raise lifecycle.busy_error(f"Another load or unload is in progress ({doing}); retry once it finishes")
+    candidate = (await asyncio.to_thread(candidates, state.settings, state.host)).get(name)
+    if candidate is None:
+        raise ModelNotFound(f"The model '{name}' is neither loaded nor loadable on this server (GET /api/models lists them)", param="model")
+    if lifecycle.busy or state.models.get(name) is not None:  # another call got there while the directories were read
+        raise lifecycle.busy_error(f"Another load or unload began meanwhile ({name}); retry once it finishes")
+    lifecycle.check_lock(name, "loading")
+    async with marked(lifecycle.loading, name):
+        try:
+            # On the model thread, as the start-up load; never refused as queue_full.
+            model = await asyncio.wrap_future(state.scheduler.call(lambda: _load_on_model_thread(state, candidate), counted=False))
+            state.host.model_loaded(state.app, model)
+        except MillmError as exc:
+            log.warning("model_load_failed", model=name, code=exc.code)
+            raise
+        except Exception as exc:
+            log.exception("model_load_failed", model=name)
+            raise ModelLoadFailed(f"loading '{name}' failed ({type(exc).__name__}); the server log has the details") from exc
+        state.models.add(model)
+    log.info("model_loaded", model=name, engine=model.info.engine)
+    return _entry(state, name, candidate)
+
+
+async def unload_model(state: AppState, name: str) -> ModelEntry:
+    """Stop serving ``name`` gracefully; its entry afterwards."""
+    lifecycle = state.lifecycle
+    model = state.models.get(name)
+    if model is None:
+        raise ModelNotFound(f"The model '{name}' is not loaded on this server", param="model")
+    if lifecycle.locked == name:
+        raise ModelLocked(f"'{name}' is locked; unlock it first (POST /api/models/{name}/unlock)", param="model")
+    if lifecycle.busy:
+        raise lifecycle.busy_error("Another load or unload is in progress; retry once it finishes")
+    async with marked(lifecycle.unloading, name):
+        timeout = state.settings.graceful_unload_timeout
+        if not await lifecycle.drain(name, timeout):
+            cancelled = state.scheduler.cancel_jobs(model.engine)
+            log.warning("unload_cancelled_requests", model=name, after_s=timeout, jobs=cancelled)
+            await lifecycle.drain(name, CANCEL_GRACE_S)
+        state.models.remove(name)
+        state.host.model_unloaded(state.app, model)
+        del model
+        await asyncio.wrap_future(state.scheduler.call(gc.collect, counted=False))  # the weights go now, not whenever the collector runs
+    log.info("model_unloaded", model=name)
+    found, engines = await asyncio.to_thread(_scan, state)
+    return _entry(state, name, found.get(name), engines.get(name))
+
+
+async def load(request: Request) -> Response:
+    """``POST /api/models/{model_id}/load``."""
+    state = app_state(request)
+    return _json(await load_model(state, _model_id(request)))
+
+
+async def unload(request: Request) -> Response:
+    """``POST /api/models/{model_id}/unload``."""
+    state = app_state(request)
+    return _json(await unload_model(state, _model_id(request)))
+
+
+def _loaded(state: AppState, name: str) -> None:
+    if state.models.get(name) is None:
+        raise ModelNotFound(f"The model '{name}' is not loaded on this server; load it first", param="model")
+
+
+async def lock(request: Request) -> Response:
+    """``POST /api/models/{model_id}/lock``: only this model is listed and served."""
+    state = app_state(request)
+    name = _model_id(request)
+    _loaded(state, name)
+    state.lifecycle.check_lock(name, "locking")
+    state.lifecycle.locked = name
+    log.info("model_locked", model=name)
+    return _json(_entry(state, name, None))
+
+
+async def unlock(request: Request) -> Response:
+    """``POST /api/models/{model_id}/unlock``; a no-op for a model that is not locked."""
+    state = app_state(request)
+    name = _model_id(request)
+    _loaded(state, name)
+    state.lifecycle.check_lock(name, "unlocking")
+    if state.lifecycle.locked == name:
+        state.lifecycle.locked = None
+        log.info("model_unlocked", model=name)
+    return _json(_entry(state, name, None))
+
+
+_PATH = "/api/models/{model_id:path}"
+ROUTES = [
+    ("/api/models", list_catalog, ["GET"], RouteDoc("Every model this server can serve, loaded or not", response=ModelCatalog, errors=())),
+    (f"{_PATH}/load", load, ["POST"], RouteDoc("Load a model and serve it", response=ModelEntry, errors=("404", "409", "500", "503"))),
+    (
+        f"{_PATH}/unload",
+        unload,
+        ["POST"],
+        RouteDoc("Unload a model once its running requests end", response=ModelEntry, errors=("404", "409", "503")),
+    ),
+    (f"{_PATH}/lock", lock, ["POST"], RouteDoc("Serve and list only this model", response=ModelEntry, errors=("404", "409"))),
+    (f"{_PATH}/unlock", unlock, ["POST"], RouteDoc("Serve every loaded model again", response=ModelEntry, errors=("404", "409"))),
+]

@@ -1,0 +1,1 @@
+"""OpenAI's Files and Batch APIs, run through the core's one request pipeline."""

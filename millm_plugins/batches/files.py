@@ -1,0 +1,155 @@
+"""``/v1/files``: upload a batch's input file (multipart, as the ``openai`` SDK sends it),
+list, read, fetch the content of and delete files. Content lives in the data directory,
+metadata in the database. The upload is streamed to disk and refused past
+``--batch-max-file-bytes`` (413) or ``--batch-max-lines`` (400), naming ``file``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
+from starlette.requests import Request
+from starlette.responses import FileResponse, Response
+from starlette.types import Message, Receive
+
+from millm_core.api import FieldNotHonoured, InvalidRequest, app_context, json_response
+
+from .disk import FileTooLarge
+from .objects import FileDeleted, FileList, FileObject, new_id
+from .paging import limit, query
+from .state import STATE, BatchesState, FileNotFound
+
+FORM_OVERHEAD = 64 * 1024
+"""Bytes of a multipart body beyond the file itself (boundaries, headers, ``purpose``)."""
+FIELDS = ("purpose", "file")
+
+
+def _state(request: Request) -> BatchesState:
+    return app_context(request).stash[STATE]
+
+
+def _bounded(receive: Receive, most: int, file_limit: int) -> Receive:
+    """``receive`` refusing a body past ``most`` bytes while it arrives (a body of unknown
+    length is never read to its end to find out)."""
+    seen = 0
+
+    async def bounded() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > most:
+                raise FileTooLarge(
+                    f"the file is larger than {file_limit} bytes, the most this server takes (--batch-max-file-bytes)", param="file"
+                )
+        return message
+
+    return bounded
+
+
+def _not_found(file_id: str) -> FileNotFound:
+    return FileNotFound(f"no file has the id {file_id!r}", param="file_id")
+
+
+async def _form_fields(request: Request, state: BatchesState) -> tuple[str, UploadFile, Any]:
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "multipart/form-data":
+        raise InvalidRequest("upload a file as multipart/form-data with the fields purpose and file", code="invalid_request")
+    most = state.max_file_bytes + FORM_OVERHEAD
+    declared = request.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and int(declared) > most:
+        raise FileTooLarge(
+            f"the body ({declared} bytes) is larger than the {state.max_file_bytes}-byte file limit (--batch-max-file-bytes)", param="file"
+        )
+    try:
+        form = await Request(request.scope, _bounded(request.receive, most, state.max_file_bytes)).form(
+            max_files=1, max_fields=8, max_part_size=FORM_OVERHEAD
+        )
+    except (MultiPartException, HTTPException) as exc:
+        raise InvalidRequest(
+            f"the multipart body does not parse: {getattr(exc, 'message', None) or getattr(exc, 'detail', exc)}", code="invalid_request"
+        ) from exc
+    for name in form:
+        if name.startswith("expires_after"):
+            await form.close()
+            raise FieldNotHonoured("files are kept until deleted: expires_after is not served; leave it out", param="expires_after")
+        if name not in FIELDS:
+            await form.close()
+            raise InvalidRequest(f"unknown field {name!r}; an upload has purpose and file", code="unknown_parameter", param=name)
+    purpose, upload = form.get("purpose"), form.get("file")
+    if not isinstance(upload, UploadFile):
+        await form.close()
+        raise InvalidRequest("the upload has no file part", code="missing_required_parameter", param="file")
+    if purpose != "batch":
+        await form.close()
+        given = "no purpose" if purpose is None else f"purpose {purpose!r}"
+        raise InvalidRequest(f'this server stores batch input files only (purpose "batch"); the upload has {given}', param="purpose")
+    return purpose, upload, form
+
+
+async def upload_file(request: Request) -> Response:
+    """``POST /v1/files``."""
+    state = _state(request)
+    _, upload, form = await _form_fields(request, state)
+    file_id = new_id("file")
+    try:
+        size = await asyncio.to_thread(state.disk.save_upload, upload.file, file_id, state.max_file_bytes, state.max_lines)
+    finally:
+        await form.close()
+    created = FileObject(id=file_id, filename=upload.filename or "upload.jsonl", purpose="batch", bytes=size, created_at=int(time.time()))
+    try:
+        await asyncio.to_thread(state.store.add_file, created)
+    except BaseException:
+        state.disk.remove(file_id)
+        raise
+    return json_response(created)
+
+
+async def list_files(request: Request) -> Response:
+    """``GET /v1/files``: ``purpose``, ``order`` (``desc`` by default), ``after``, ``limit`` (up to 10,000)."""
+    state = _state(request)
+    params = query(request.query_params, ("purpose", "order", "after", "limit"))
+    order = params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest(f'order must be "asc" or "desc", not {order!r}', param="order")
+    after = params.get("after")
+    if after is not None and not await asyncio.to_thread(state.store.has_file, after):
+        raise InvalidRequest(f"after names no file: {after!r}", param="after")
+    page, more = await asyncio.to_thread(
+        state.store.list_files, params.get("purpose"), after, limit(params, 10000, 10000), "asc" if order == "asc" else "desc"
+    )
+    return json_response(FileList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None, has_more=more))
+
+
+async def get_file(request: Request) -> Response:
+    """``GET /v1/files/{file_id}``."""
+    file_id = request.path_params["file_id"]
+    found = await asyncio.to_thread(_state(request).store.get_file, file_id)
+    if found is None:
+        raise _not_found(file_id)
+    return json_response(found)
+
+
+async def file_content(request: Request) -> Response:
+    """``GET /v1/files/{file_id}/content``: the file's bytes."""
+    state = _state(request)
+    file_id = request.path_params["file_id"]
+    path = state.disk.file(file_id)
+    if not await asyncio.to_thread(state.store.has_file, file_id) or not os.path.exists(path):
+        raise _not_found(file_id)
+    return FileResponse(path, media_type="application/jsonl")
+
+
+async def delete_file(request: Request) -> Response:
+    """``DELETE /v1/files/{file_id}``: refused with 409 while an unfinished batch reads it."""
+    state = _state(request)
+    file_id = request.path_params["file_id"]
+    if not await asyncio.to_thread(state.store.delete_file, file_id):
+        raise _not_found(file_id)
+    state.disk.remove(file_id)
+    return json_response(FileDeleted(id=file_id))

@@ -1,0 +1,142 @@
+"""Checking a batch's input file before anything runs.
+
+Every line is parsed and checked as a whole (a JSON object with ``custom_id``, ``method``,
+``url`` and ``body``, nothing else): a unique, non-empty ``custom_id``, ``method``
+``POST``, ``url`` equal to the batch's endpoint, ``body`` a JSON object. Any problem fails
+the batch, each one named by its line number (1-based, blank lines counted and skipped).
+What a body asks for (its model, its fields' values) is checked when the line runs, by the
+endpoint itself, and an error there goes to the batch's error file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from .objects import BatchError
+
+MAX_ERRORS = 100
+"""Validation errors reported at most (the first ones, by line)."""
+LINE_KEYS = ("custom_id", "method", "url", "body")
+
+
+@dataclass(frozen=True)
+class Line:
+    """A checked line: where it is in the input file, and its ``custom_id``."""
+
+    number: int
+    custom_id: str
+    offset: int
+    length: int
+
+
+@dataclass
+class Checked:
+    """The input file's lines, or why the batch fails; ``model`` is the one model every
+    line names, if they all name the same."""
+
+    lines: list[Line] = field(default_factory=list)
+    errors: list[BatchError] = field(default_factory=list)
+    model: str | None = None
+
+    def fail(self, error: BatchError) -> None:
+        if len(self.errors) < MAX_ERRORS:
+            self.errors.append(error)
+
+
+def _check(obj: Any, number: int, url: str, seen: dict[str, int]) -> list[BatchError]:
+    if not isinstance(obj, dict):
+        return [BatchError(code="invalid_json_line", line=number, message=f"line {number} is not a JSON object")]
+    problems: list[BatchError] = []
+    for key in obj:
+        if key not in LINE_KEYS:
+            problems.append(
+                BatchError(
+                    code="unknown_parameter",
+                    line=number,
+                    param=key,
+                    message=f"line {number} has an unknown field {key!r}: a line has custom_id, method, url and body",
+                )
+            )
+    for key in LINE_KEYS:
+        if key not in obj:
+            problems.append(BatchError(code="missing_required_parameter", line=number, param=key, message=f"line {number} has no {key!r}"))
+    custom_id = obj.get("custom_id")
+    if "custom_id" in obj and (not isinstance(custom_id, str) or not custom_id):
+        problems.append(
+            BatchError(
+                code="invalid_custom_id", line=number, param="custom_id", message=f"line {number}: custom_id must be a non-empty string"
+            )
+        )
+    elif isinstance(custom_id, str) and custom_id in seen:
+        problems.append(
+            BatchError(
+                code="duplicate_custom_id",
+                line=number,
+                param="custom_id",
+                message=f"line {number} repeats the custom_id {custom_id!r} of line {seen[custom_id]}",
+            )
+        )
+    if "method" in obj and obj["method"] != "POST":
+        problems.append(
+            BatchError(
+                code="invalid_method", line=number, param="method", message=f'line {number}: method must be "POST", not {obj["method"]!r}'
+            )
+        )
+    if "url" in obj and obj["url"] != url:
+        problems.append(
+            BatchError(
+                code="invalid_url",
+                line=number,
+                param="url",
+                message=f"line {number}: url is {obj['url']!r}, but this batch's endpoint is {url!r}",
+            )
+        )
+    if "body" in obj and not isinstance(obj["body"], dict):
+        problems.append(BatchError(code="invalid_body", line=number, param="body", message=f"line {number}: body must be a JSON object"))
+    return problems
+
+
+def check_lines(raw_lines: Iterable[bytes], url: str, max_lines: int) -> Checked:
+    """Check the input file, given as its raw lines (each with its line break, as a binary
+    file iterates), for a batch whose endpoint is ``url``."""
+    result = Checked()
+    seen: dict[str, int] = {}
+    models: set[str] = set()
+    offset = 0
+    number = 0
+    for number, raw in enumerate(raw_lines, start=1):
+        start, offset = offset, offset + len(raw)
+        if not raw.strip():
+            continue
+        try:
+            obj = msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            result.fail(BatchError(code="invalid_json_line", line=number, message=f"line {number} is not valid JSON ({exc})"))
+            continue
+        problems = _check(obj, number, url, seen)
+        for problem in problems:
+            result.fail(problem)
+        if problems:
+            continue
+        seen[obj["custom_id"]] = number
+        model = obj["body"].get("model")
+        models.add(model if isinstance(model, str) else "")
+        result.lines.append(Line(number=number, custom_id=obj["custom_id"], offset=start, length=len(raw)))
+    if not result.lines and not result.errors:
+        result.fail(BatchError(code="empty_file", message="the input file has no request lines"))
+    elif len(seen) > max_lines:
+        result.fail(
+            BatchError(
+                code="too_many_requests",
+                message=f"the input file has {len(seen)} request lines; this server takes at most {max_lines} (--batch-max-lines)",
+            )
+        )
+    if result.errors:
+        result.lines = []
+    elif len(models) == 1 and "" not in models:
+        result.model = models.pop()
+    return result
