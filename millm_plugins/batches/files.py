@@ -8,18 +8,19 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
-from starlette.responses import FileResponse, Response
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Message, Receive
 
-from millm_core.api import FieldNotHonoured, InvalidRequest, app_context, json_response
+from millm_core.api import FieldNotHonoured, InvalidRequest, MillmError, app_context, json_response
 
-from .disk import FileTooLarge
+from .disk import CHUNK, FileTooLarge
 from .objects import FileDeleted, FileList, FileObject, new_id
 from .paging import limit, query
 from .state import STATE, BatchesState, FileNotFound
@@ -33,14 +34,29 @@ def _state(request: Request) -> BatchesState:
     return app_context(request).stash[STATE]
 
 
-def _bounded(receive: Receive, most: int, file_limit: int) -> Receive:
+class UploadTimeout(MillmError):
+    """408: a part of the upload did not arrive within ``--read-timeout``."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
+def _bounded(receive: Receive, most: int, file_limit: int, timeout_s: float) -> Receive:
     """``receive`` refusing a body past ``most`` bytes while it arrives (a body of unknown
-    length is never read to its end to find out)."""
+    length is never read to its end to find out), and one whose next chunk takes longer
+    than ``timeout_s`` to come (408: a stalled client cannot hold an upload open)."""
     seen = 0
 
     async def bounded() -> Message:
         nonlocal seen
-        message = await receive()
+        try:
+            message = await asyncio.wait_for(receive(), timeout_s)
+        except TimeoutError as exc:
+            raise UploadTimeout(
+                f"the upload stalled: nothing arrived for {timeout_s:g} s after {seen} bytes (--read-timeout); send it faster",
+                param="file",
+            ) from exc
         if message["type"] == "http.request":
             seen += len(message.get("body", b""))
             if seen > most:
@@ -67,9 +83,8 @@ async def _form_fields(request: Request, state: BatchesState) -> tuple[str, Uplo
             f"the body ({declared} bytes) is larger than the {state.max_file_bytes}-byte file limit (--batch-max-file-bytes)", param="file"
         )
     try:
-        form = await Request(request.scope, _bounded(request.receive, most, state.max_file_bytes)).form(
-            max_files=1, max_fields=8, max_part_size=FORM_OVERHEAD
-        )
+        bounded = _bounded(request.receive, most, state.max_file_bytes, app_context(request).settings.read_timeout)
+        form = await Request(request.scope, bounded).form(max_files=1, max_fields=8, max_part_size=FORM_OVERHEAD)
     except (MultiPartException, HTTPException) as exc:
         raise InvalidRequest(
             f"the multipart body does not parse: {getattr(exc, 'message', None) or getattr(exc, 'detail', exc)}", code="invalid_request"
@@ -98,7 +113,7 @@ async def upload_file(request: Request) -> Response:
     _, upload, form = await _form_fields(request, state)
     file_id = new_id("file")
     try:
-        size = await asyncio.to_thread(state.disk.save_upload, upload.file, file_id, state.max_file_bytes, state.max_lines)
+        size = await state.runner.off(state.disk.save_upload, upload.file, file_id, state.max_file_bytes, state.max_lines)
     finally:
         await form.close()
     created = FileObject(id=file_id, filename=upload.filename or "upload.jsonl", purpose="batch", bytes=size, created_at=int(time.time()))
@@ -136,13 +151,26 @@ async def get_file(request: Request) -> Response:
 
 
 async def file_content(request: Request) -> Response:
-    """``GET /v1/files/{file_id}/content``: the file's bytes."""
+    """``GET /v1/files/{file_id}/content``: the file's bytes. The file is opened before the
+    answer starts: a delete meanwhile cannot cut it (or turn it into a 500)."""
     state = _state(request)
     file_id = request.path_params["file_id"]
-    path = state.disk.file(file_id)
-    if not await asyncio.to_thread(state.store.has_file, file_id) or not os.path.exists(path):
+    if not await asyncio.to_thread(state.store.has_file, file_id):
         raise _not_found(file_id)
-    return FileResponse(path, media_type="application/jsonl")
+    try:
+        source = await asyncio.to_thread(open, state.disk.file(file_id), "rb")
+    except FileNotFoundError:
+        raise _not_found(file_id) from None
+    size = os.fstat(source.fileno()).st_size
+
+    async def chunks() -> AsyncIterator[bytes]:
+        try:
+            while chunk := await asyncio.to_thread(source.read, CHUNK):
+                yield chunk
+        finally:
+            source.close()
+
+    return StreamingResponse(chunks(), media_type="application/jsonl", headers={"content-length": str(size)})
 
 
 async def delete_file(request: Request) -> Response:
@@ -151,5 +179,5 @@ async def delete_file(request: Request) -> Response:
     file_id = request.path_params["file_id"]
     if not await asyncio.to_thread(state.store.delete_file, file_id):
         raise _not_found(file_id)
-    state.disk.remove(file_id)
+    await asyncio.to_thread(state.disk.remove, file_id)
     return json_response(FileDeleted(id=file_id))

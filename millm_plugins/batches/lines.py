@@ -43,6 +43,7 @@ class Checked:
     model: str | None = None
 
     def fail(self, error: BatchError) -> None:
+        """Add a problem (the first :data:`MAX_ERRORS` are kept)."""
         if len(self.errors) < MAX_ERRORS:
             self.errors.append(error)
 

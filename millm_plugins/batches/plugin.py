@@ -6,7 +6,8 @@ Every line runs through the core's one request pipeline (``dispatch``), exactly 
 same request sent live, in the ``agent`` lane (when the lanes plugin is enabled), a few at
 a time (``--batch-concurrency``), so batch lines share decode steps with live requests and
 never hold them up. Batches, lines and results are kept in the database and resume after a
-restart; each line's result appears exactly once. The files' content is kept in a data
+restart; each line's answer appears exactly once in the files (a line killed after its
+answer but before it was recorded runs again, and only its second answer is kept). The files' content is kept in a data
 directory (``--batch-data-dir``).
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import structlog
 
 from millm_core.api import AppContext, PluginSetting, RouteDoc, hookimpl
 
@@ -26,6 +29,7 @@ from .state import STATE, BatchesState
 from .storage import BatchStore
 
 NAME = "batches"
+log = structlog.get_logger("millm.batches")
 
 
 def _positive(text: str) -> int:
@@ -61,9 +65,17 @@ def millm_startup(app: AppContext) -> None:
     store = BatchStore(app.store)
     configured = DATA_DIR.get(app.settings)
     disk = DataDir(configured or (None if app.store.path == ":memory:" else default_dir(app.store.path)))
-    disk.sweep(store.kept_ids())
+    running = disk.lock()
+    if running:
+        disk.sweep(store.kept_ids())
+    else:
+        log.warning(
+            "batches_api_only",
+            data_dir=disk.path,
+            reason="another server holds the data directory's lock: this one serves the Files and Batch APIs but runs no batch",
+        )
     max_lines = MAX_LINES.get(app.settings)
-    runner = Runner(app, store, disk, CONCURRENCY.get(app.settings), max_lines)
+    runner = Runner(app, store, disk, CONCURRENCY.get(app.settings), max_lines, active=running)
     app.stash[STATE] = BatchesState(
         store=store, disk=disk, runner=runner, max_file_bytes=MAX_FILE_BYTES.get(app.settings), max_lines=max_lines
     )

@@ -1,16 +1,17 @@
 """A line's reply → its output line, OpenAI's ``{"id", "custom_id", "response":
 {"status_code", "request_id", "body"}, "error"}``, whose ``response`` also carries
 ``millm: {"headers": {...}}``: every ``X-miLLM-*`` header the endpoint's route set
-(steering, seed, ignored fields, probe verdicts, lane, …), by lower-case name."""
+(steering, seed, ignored fields, probe verdicts, lane, …), by lower-case name. Building it
+(encoding the line, reading the answer's usage) runs off the event loop: the runner calls
+:func:`reply_result` on its threads."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 
-from millm_core.api import Dispatched, decode_json, encode
+from millm_core.api import Dispatched, encode
 
 from .objects import LineError, LineResponse, OutputLine, new_id
 from .storage import Usage
@@ -25,16 +26,34 @@ class Result:
     usage: Usage
 
 
-def _usage(body: Any) -> Usage:
-    usage = body.get("usage") if isinstance(body, dict) else None
-    if not isinstance(usage, dict):
+class _Details(msgspec.Struct):
+    reasoning_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    completion_tokens_details: _Details | None = None
+
+
+class _Answer(msgspec.Struct):
+    """What a line's answer says of its tokens: its ``usage``, nothing else decoded."""
+
+    usage: _Usage | None = None
+
+
+def _usage(body: bytes) -> Usage:
+    try:
+        usage = msgspec.json.decode(body, type=_Answer).usage
+    except msgspec.DecodeError:  # not an object, or a usage of another shape
         return Usage()
-    details = usage.get("completion_tokens_details")
-    reasoning = details.get("reasoning_tokens", 0) if isinstance(details, dict) else 0
+    if usage is None:
+        return Usage()
+    details = usage.completion_tokens_details
     return Usage(
-        input_tokens=int(usage.get("prompt_tokens") or 0),
-        output_tokens=int(usage.get("completion_tokens") or 0),
-        reasoning_tokens=int(reasoning or 0),
+        input_tokens=usage.prompt_tokens or 0,
+        output_tokens=usage.completion_tokens or 0,
+        reasoning_tokens=(details.reasoning_tokens if details is not None else 0) or 0,
     )
 
 
@@ -46,7 +65,7 @@ def reply_result(custom_id: str, reply: Dispatched) -> Result:
     )
     ok = reply.status < 400
     line = encode(OutputLine(id=new_id("batch_req"), custom_id=custom_id, response=response, error=None))
-    return Result(ok=ok, line=line, usage=_usage(decode_json(body)) if ok else Usage())
+    return Result(ok=ok, line=line, usage=_usage(body) if ok else Usage())
 
 
 def error_body(message: str, code: str, param: str | None) -> bytes:

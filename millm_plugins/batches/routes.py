@@ -48,6 +48,10 @@ async def create_batch(request: Request) -> Response:
             "output files are kept until deleted: output_expires_after is not served; leave it out", param="output_expires_after"
         )
     body = convert(raw, CreateBatch)
+    if not any(getattr(route, "path", None) == body.endpoint for route in request.app.routes):
+        raise InvalidRequest(
+            f"this server does not serve {body.endpoint} (no enabled plugin serves it), so a batch cannot run on it", param="endpoint"
+        )
     found = await asyncio.to_thread(state.store.get_file, body.input_file_id)
     if found is None:
         raise FileNotFound(f"no file has the id {body.input_file_id!r}", param="input_file_id")

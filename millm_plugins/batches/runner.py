@@ -1,10 +1,13 @@
 """The background work: validating each new batch's input file, running its lines
 through the core's one request pipeline (``dispatch``), and writing its output files.
 
-Each unfinished batch is driven by its own task; the lines of every batch share
-``--batch-concurrency`` slots, so that a few lines at a time join the running decode batch
-beside live requests. Lines run in the ``agent`` lane when the lanes plugin is enabled:
-live, interactive requests go first at admission, and a line is never starved.
+Each unfinished batch is driven by its own small task (validate, run, finish); the lines of
+every batch share ``--batch-concurrency`` slots (:mod:`.slots`), oldest batch first, so
+that a few lines at a time join the running decode batch beside live requests. Lines run
+in the ``agent`` lane when the lanes plugin is enabled (a line asking for another lane is
+refused): live, interactive requests go first at admission, and a line is never starved.
+A line that finds no model to run on (an unload, a load) waits for one without spending a
+retry, until the batch is cancelled or expires.
 
 A line's result is committed with the line marked done (see :mod:`.storage`). At start-up
 every unfinished batch is driven again from what the database says: lines done are not
@@ -19,7 +22,7 @@ import functools
 import itertools
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -32,6 +35,7 @@ from .disk import DataDir
 from .lines import Checked, check_lines
 from .objects import ENDPOINTS, BatchError, FileObject, new_id
 from .results import Result, error_body, expired_line, refused_result, reply_result
+from .slots import Job, Slots
 from .storage import BatchStore, Pending
 
 log = structlog.get_logger("millm.batches")
@@ -54,32 +58,47 @@ T = TypeVar("T")
 class Runner:
     """Drives the batches of one server."""
 
-    def __init__(self, app: AppContext, store: BatchStore, disk: DataDir, concurrency: int, max_lines: int) -> None:
+    def __init__(
+        self,
+        app: AppContext,
+        store: BatchStore,
+        disk: DataDir,
+        concurrency: int,
+        max_lines: int,
+        active: bool = True,
+    ) -> None:
         self.app = app
+        self.active = active
+        """False on a server without the data directory's lock: it drives nothing."""
         self.store = store
         self.disk = disk
         self.max_lines = max_lines
         self.concurrency = concurrency
-        self._slots = asyncio.Semaphore(concurrency)
+        self._slots = Slots(concurrency)
         self._drives: dict[str, asyncio.Task[None]] = {}
-        self._lines: dict[str, set[asyncio.Task[None]]] = {}
+        self._order: dict[str, int] = {}
+        self._count = itertools.count()
         self._cancelled: set[str] = set()
         self._closed = False
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="millm-batches")
 
-    async def _off(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the runner's threads."""
+    async def off(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the plugin's own threads (long file work: validation, writes,
+        uploads), never the default pool the server's routes use."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
     def start(self) -> None:
         """Drive every unfinished batch (at start-up: resume what was running)."""
+        if not self.active:
+            return
         for batch_id in self.store.unfinished():
             self.drive(batch_id)
 
     def drive(self, batch_id: str) -> None:
         """Start driving ``batch_id`` to its end, unless already driven."""
-        if self._closed or batch_id in self._drives:
+        if self._closed or not self.active or batch_id in self._drives:
             return
+        self._order.setdefault(batch_id, next(self._count))  # drive() is called oldest first
         task = asyncio.get_running_loop().create_task(self._drive(batch_id), name=f"batch {batch_id}")
         self._drives[batch_id] = task
         task.add_done_callback(lambda _: self._drives.pop(batch_id, None))
@@ -88,8 +107,7 @@ class Runner:
         """The batch is ``cancelling``: take no new line, stop the running ones (their rows
         are freed; they appear in neither file), then finish it as ``cancelled``."""
         self._cancelled.add(batch_id)
-        for task in self._lines.get(batch_id, ()):
-            task.cancel()
+        self._slots.cancel(batch_id)
         self.drive(batch_id)
 
     def stop(self) -> None:
@@ -97,6 +115,7 @@ class Runner:
         self._closed = True
         for task in list(self._drives.values()):
             task.cancel()
+        self._slots.stop()
 
     def close(self) -> None:
         """After :meth:`stop`: wait for the runner's threads (a write or a record under way)
@@ -109,6 +128,7 @@ class Runner:
             try:
                 await self._advance(batch_id)
                 self._cancelled.discard(batch_id)
+                self._order.pop(batch_id, None)
                 return
             except asyncio.CancelledError:
                 raise
@@ -119,8 +139,9 @@ class Runner:
                     error = BatchError(
                         code="batch_failed", message=f"the batch failed {failures} times in a row; last: {type(exc).__name__}"
                     )
-                    await self._off(self.store.fail, batch_id, error)
+                    await self.off(self.store.fail, batch_id, error)
                     self._cancelled.discard(batch_id)
+                    self._order.pop(batch_id, None)
                     return
                 await asyncio.sleep(RETRY_S)
 
@@ -129,19 +150,19 @@ class Runner:
         status is conditional on the one read: a concurrent cancel is read again, never
         overwritten."""
         while True:
-            status = await self._off(self.store.status, batch_id)
+            status = await self.off(self.store.status, batch_id)
             if status == "validating":
                 await self._validate(batch_id)
             elif status == "in_progress":
                 expires_at = await self._run(batch_id)
-                if await self._off(self.store.status, batch_id) != "in_progress":
+                if await self.off(self.store.status, batch_id) != "in_progress":
                     continue
-                if time.time() >= expires_at and len(await self._off(self.store.pending, batch_id)):
+                if time.time() >= expires_at and len(await self.off(self.store.pending, batch_id)):
                     await self._finish(batch_id, "expired")
                 elif batch_id in self._cancelled or self._closed:
                     return  # a cancel is read again from the database; a stop resumes at start-up
                 else:
-                    await self._off(self.store.finalizing, batch_id)
+                    await self.off(self.store.finalizing, batch_id)
             elif status == "finalizing":
                 await self._finish(batch_id, "completed")
             elif status == "cancelling":
@@ -165,12 +186,12 @@ class Runner:
             )
 
     async def _validate(self, batch_id: str) -> None:
-        checked = await self._off(self._check, batch_id)
+        checked = await self.off(self._check, batch_id)
         if checked.errors:
-            await self._off(self.store.invalid, batch_id, checked.errors)
+            await self.off(self.store.invalid, batch_id, checked.errors)
             log.info("batch_failed_validation", batch_id=batch_id, errors=len(checked.errors))
         else:
-            await self._off(self.store.validated, batch_id, checked.lines, checked.model)
+            await self.off(self.store.validated, batch_id, checked.lines, checked.model)
 
     # ------------------------------------------------------------------ running
 
@@ -178,14 +199,18 @@ class Runner:
         while not len(self.app.models) and not stopping():
             await asyncio.sleep(0.5)
 
-    def _read(self, fd: int, line: Pending) -> dict[str, object]:
-        body: dict[str, object] = decode_json(os.pread(fd, line.length, line.offset))["body"]
+    @staticmethod
+    def _read(path: str, line: Pending) -> dict[str, object]:
+        """A line's body, read from the input file (opened for this line only: a batch
+        waiting for a slot holds no file open)."""
+        with open(path, "rb") as source:
+            body: dict[str, object] = decode_json(os.pread(source.fileno(), line.length, line.offset))["body"]
         return body
 
     async def _run(self, batch_id: str) -> int:
         """Run the batch's pending lines until none is left, it is cancelled or it
         expires; returns its expiry time."""
-        batch = await self._off(self.store.get_batch, batch_id)
+        batch = await self.off(self.store.get_batch, batch_id)
         assert batch is not None and batch.expires_at is not None
         expires_at = batch.expires_at
 
@@ -193,41 +218,34 @@ class Runner:
             return batch_id in self._cancelled or self._closed or time.time() >= expires_at
 
         await self._until_model(stopping)
-        pending = await self._off(self.store.pending, batch_id)
+        pending = await self.off(self.store.pending, batch_id)
         if not pending or stopping():
             return expires_at
         endpoint = ENDPOINTS[batch.endpoint]
         lane = endpoint != "embeddings" and declares(self.app, endpoint, "class")
-        queue: Iterator[Pending] = iter(pending)
-        try:
-            fd = await self._off(os.open, self.disk.file(batch.input_file_id), os.O_RDONLY)
-        except FileNotFoundError:  # removed from the data directory by hand: nothing can run
+        path = self.disk.file(batch.input_file_id)
+
+        async def run_line(line: Pending) -> None:
+            body = await self.off(self._read, path, line)
+            result = await self._line(endpoint, body, line.custom_id, lane, stopping)
+            if result is not None:
+                await self.off(self.store.record, batch_id, line.number, result.ok, result.line, result.usage)
+
+        job = Job(
+            batch_id=batch_id,
+            order=self._order.get(batch_id, 0),
+            lines=iter(pending),
+            run_line=run_line,
+            stopping=stopping,
+            done=asyncio.get_running_loop().create_future(),
+        )
+        await self._slots.run(job)
+        if isinstance(job.error, FileNotFoundError):  # removed from the data directory by hand: nothing can run
             error = BatchError(code="file_not_found", message=f"the input file {batch.input_file_id!r} is gone from the data directory")
-            await self._off(self.store.fail, batch_id, error)
+            await self.off(self.store.fail, batch_id, error)
             log.warning("batch_input_gone", batch_id=batch_id, file_id=batch.input_file_id)
-            return expires_at
-
-        async def slot() -> None:
-            for line in queue:
-                async with self._slots:
-                    if stopping():
-                        return
-                    body = await self._off(self._read, fd, line)
-                    result = await self._line(endpoint, body, line.custom_id, lane, stopping)
-                    if result is None:
-                        return
-                    await self._off(self.store.record, batch_id, line.number, result.ok, result.line, result.usage)
-
-        tasks = {asyncio.get_running_loop().create_task(slot()) for _ in range(min(self.concurrency, len(pending)))}
-        self._lines[batch_id] = tasks
-        try:
-            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
-        finally:
-            self._lines.pop(batch_id, None)
-            os.close(fd)
-        failures = [o for o in outcomes if isinstance(o, Exception)]
-        if failures:
-            raise failures[0]
+        elif job.error is not None:
+            raise job.error
         return expires_at
 
     @staticmethod
@@ -293,7 +311,7 @@ class Runner:
                 break
             attempt += 1
             await asyncio.sleep(self._pause(reply, 1.0, 30.0))
-        return reply_result(custom_id, reply)
+        return await self.off(reply_result, custom_id, reply)
 
     # ------------------------------------------------------------------ finishing
 
@@ -314,5 +332,5 @@ class Runner:
         return self.store.finish(batch_id, status, output, error, expired=len(unrun))
 
     async def _finish(self, batch_id: str, status: str) -> None:
-        if await self._off(self._write, batch_id, status):
+        if await self.off(self._write, batch_id, status):
             log.info("batch_finished", batch_id=batch_id, status=status)

@@ -1,8 +1,12 @@
 """The Files and Batch APIs' tables: file metadata, batches, and each batch's lines.
 
 A line's result is written in the same transaction that marks it done and counts it in
-its batch, so a line is either done with its result kept or still pending: a server killed
-at any moment reruns exactly the lines that had produced nothing durable. A batch's
+its batch, and only while the batch is ``in_progress``, so a line is either done with its
+result kept or still pending: a server killed at any moment reruns exactly the lines that
+had produced nothing durable, and a result that arrives after a cancel changes nothing.
+Every change of a batch's status is conditional on the status it leaves, so a concurrent
+cancel is never overwritten; finishing recounts the lines and drops their results (the
+files hold them then). A batch's
 output and error file ids are chosen when it is created, so that writing its files again
 after a crash replaces, never duplicates, them. Calls block briefly on SQLite; routes and
 the runner call them off the event loop.
@@ -125,6 +129,7 @@ class BatchStore:
     # ------------------------------------------------------------------ files
 
     def add_file(self, file: FileObject) -> None:
+        """Record an uploaded file (its content is on disk already)."""
         with self.store.transaction() as conn:
             conn.execute(
                 "INSERT INTO batch_files (id, filename, purpose, bytes, created_at) VALUES (?, ?, ?, ?, ?)",
@@ -132,6 +137,7 @@ class BatchStore:
             )
 
     def get_file(self, file_id: str) -> FileObject | None:
+        """The file ``file_id``, or None."""
         rows = self.store.query(f"SELECT {_FILE_COLUMNS} FROM batch_files WHERE id = ?", (file_id,))
         return _file(rows[0]) if rows else None
 
@@ -151,6 +157,7 @@ class BatchStore:
         return [_file(r) for r in rows[:limit]], len(rows) > limit
 
     def has_file(self, file_id: str) -> bool:
+        """Whether a file has the id ``file_id``."""
         return bool(self.store.query("SELECT 1 FROM batch_files WHERE id = ?", (file_id,)))
 
     def delete_file(self, file_id: str) -> bool:
@@ -197,6 +204,7 @@ class BatchStore:
         return self.get_batch(batch_id) if inserted else None
 
     def get_batch(self, batch_id: str) -> Batch | None:
+        """The batch ``batch_id``, or None."""
         rows = self.store.query(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id = ?", (batch_id,))
         return _batch(rows[0]) if rows else None
 
@@ -210,6 +218,7 @@ class BatchStore:
         return [_batch(r) for r in rows[:limit]], len(rows) > limit
 
     def has_batch(self, batch_id: str) -> bool:
+        """Whether a batch has the id ``batch_id``."""
         return bool(self.store.query("SELECT 1 FROM batches WHERE id = ?", (batch_id,)))
 
     def unfinished(self) -> list[str]:
@@ -217,6 +226,7 @@ class BatchStore:
         return [str(r[0]) for r in self.store.query(f"SELECT id FROM batches WHERE {_UNFINISHED} ORDER BY seq")]
 
     def reserved(self, batch_id: str) -> Reserved:
+        """The batch's input file and the ids chosen for its output and error files."""
         row = self.store.query("SELECT input_file_id, out_id, err_id FROM batches WHERE id = ?", (batch_id,))[0]
         return Reserved(input_file_id=str(row[0]), out_id=str(row[1]), err_id=str(row[2]))
 
@@ -314,11 +324,13 @@ class BatchStore:
             )
 
     def status(self, batch_id: str) -> str:
+        """The batch's status, as committed now."""
         return str(self.store.query("SELECT status FROM batches WHERE id = ?", (batch_id,))[0][0])
 
     # ------------------------------------------------------------------ lines
 
     def pending(self, batch_id: str) -> list[Pending]:
+        """The batch's lines still to run, in line order."""
         rows = self.store.query(
             "SELECT line, custom_id, offset, length FROM batch_lines WHERE batch_id = ? AND state = 'pending' ORDER BY line", (batch_id,)
         )

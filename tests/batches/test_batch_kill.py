@@ -13,6 +13,8 @@ import sqlite3
 import time
 from typing import Any
 
+import pytest
+
 from ..steering.test_import_kill import Served, served
 from .helpers import by_custom_id, jsonl, line, read_lines, sdk, submit, wait
 
@@ -39,7 +41,7 @@ def _progress(client: Any, batch_id: str, at_least: int, timeout: float = 120.0)
         if counts is not None and counts.completed + counts.failed >= at_least:
             return
         assert time.monotonic() < deadline, "the batch made no progress"
-        time.sleep(0.05)
+        time.sleep(0.01)
 
 
 def _done_lines(db: str, batch_id: str) -> tuple[str, dict[str, dict[str, Any]]]:
@@ -52,9 +54,13 @@ def _done_lines(db: str, batch_id: str) -> tuple[str, dict[str, dict[str, Any]]]
     return status, {str(cid): json.loads(result) for cid, result in rows}
 
 
-def test_a_kill_9_mid_batch_resumes_with_every_line_exactly_once(tiny_dir: str, tmp_path: pathlib.Path) -> None:
+def test_a_kill_9_mid_batch_resumes_with_every_line_exactly_once(
+    tiny_dir: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     db = str(tmp_path / "millm.db")
+    monkeypatch.setenv("MILLM_BATCH_CONCURRENCY", "1")  # one line at a time: still mid-batch at the kill, however fast
     first = Served(tiny_dir, db, tmp_path / "first.log")
+    monkeypatch.delenv("MILLM_BATCH_CONCURRENCY")
     try:
         first.wait_ready()
         client = sdk(first.base_url)
@@ -87,9 +93,13 @@ def test_a_kill_9_mid_batch_resumes_with_every_line_exactly_once(tiny_dir: str, 
         assert (output.get(custom_id) or errors[custom_id]) == result
 
 
-def test_a_batch_stopped_past_its_window_expires_with_its_unrun_lines(tiny_dir: str, tmp_path: pathlib.Path) -> None:
+def test_a_batch_stopped_past_its_window_expires_with_its_unrun_lines(
+    tiny_dir: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     db = str(tmp_path / "millm.db")
+    monkeypatch.setenv("MILLM_BATCH_CONCURRENCY", "1")
     with served(tiny_dir, db, tmp_path / "first.log") as first:
+        monkeypatch.delenv("MILLM_BATCH_CONCURRENCY")
         client = sdk(first.base_url)
         lines = _lines(client, 40)
         batch = submit(client, jsonl(lines), endpoint="/v1/completions")

@@ -14,7 +14,7 @@ import openai
 import pytest
 from openai.types import Batch, FileObject
 
-from ..batches.helpers import by_custom_id, jsonl, line, read_lines, sdk, submit, unminted, wait
+from ..batches.helpers import Slow, by_custom_id, jsonl, line, read_lines, sdk, submit, unminted, wait
 
 CHAT = "/v1/chat/completions"
 PROMPTS = ["Tell me about the sea", "Name a colour", "Count to three", "What is a tree?", "Say hello", "Describe rain"]
@@ -252,7 +252,12 @@ def test_upload_limits_are_refused_by_name(make_server: Any) -> None:
 
 
 def test_cancel_stops_a_running_batch_with_partial_output(make_server: Any) -> None:
-    with make_server(batch_concurrency=1) as srv:
+    from millm_core.config import load_settings
+    from millm_core.server.app import build_host
+
+    host = build_host(load_settings(environ={}))
+    host.register(Slow("Story", 0.03), "test-batches-slow")  # ~1.5 s a line: still running when cancelled
+    with make_server(host=host, batch_concurrency=1) as srv:
         client = sdk(srv.base_url)
         lines = [
             line(f"r{i:02d}", {"model": "tiny", "prompt": f"Story {i}:", "max_tokens": 48, "temperature": 0}, "/v1/completions")
