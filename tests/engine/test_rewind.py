@@ -192,18 +192,19 @@ def test_out_of_range_rewinds_are_refused_and_change_nothing(engine: Any) -> Non
     assert got == fresh
 
 
-def shares_batches(kind: str) -> None:
-    if kind == "gguf-1":
-        pytest.skip("one sequence at a time: rows never share a batch")
-    if kind == "hf-bfloat16":
-        pytest.skip("the generic HF forward in bfloat16 is not batch-invariant (the engine says so)")
+# Engines whose rows share batches token-exactly: not GGUF with one sequence (rows never
+# share a batch) nor the generic HF forward in bfloat16 (not batch-invariant: it says so).
+SHARING = pytest.mark.parametrize("kind", [k for k in KINDS if k not in ("gguf-1", "hf-bfloat16")], indirect=True)
+TRANSFORMERS = pytest.mark.parametrize("kind", [k for k in KINDS if not k.startswith("gguf")], indirect=True)
+# Taps are compared with a float32 reference on the transformers engine.
+FLOAT32_TAPS = pytest.mark.parametrize("kind", ["fast-float32", "hf-float32"], indirect=True)
 
 
+@SHARING
 def test_rewound_rows_share_a_batch_with_rows_that_are_not(engine: Any, kind: str) -> None:
     """Rows rewound (one partway and again later, with a bias; one back to its prompt; a
     joined one) beside a row never rewound and one retained away at a rewind's step: every
     row gets, token for token, what it gets alone with the same biases."""
-    shares_batches(kind)
     gone = spec(engine, "Once upon a time")
     longest = spec(engine, "The capital of France is Paris, and the capital of Spain is")  # its rewind frees columns
     seeded = spec(engine, "def main():\n    return", SEEDED)
@@ -234,10 +235,10 @@ def test_rewound_rows_share_a_batch_with_rows_that_are_not(engine: Any, kind: st
     assert all(idle[i] != expected[i] for i in (1, 2, *((4,) if joins else ())))  # rewinds that did nothing fail
 
 
+@SHARING
 def test_a_retain_between_a_rewind_and_the_next_step_keeps_the_rewinds(engine: Any, kind: str) -> None:
     """The engine API lets a retain come between a rewind and the next step: the rows
     kept move up, their rewinds with them (one back to its prompt, one partway)."""
-    shares_batches(kind)
     rows = [spec(engine, "hello"), spec(engine, "Once upon a time there was", SEEDED), spec(engine, "def f(x):")]
     alone = [solo(engine, r, STEPS + 2) for r in rows]
     batch = engine.open_batch(rows)
@@ -259,10 +260,10 @@ def test_a_retain_between_a_rewind_and_the_next_step_keeps_the_rewinds(engine: A
     assert got == [alone[1][:STEPS], alone[2]]
 
 
+@SHARING
 def test_a_rewind_in_a_batch_of_equal_rows(engine: Any, kind: str) -> None:
     """Rows of one length share their cache columns unpadded: a rewind must not move the
     row that stays."""
-    shares_batches(kind)
     prompt = "The weather today"
     rows = [spec(engine, prompt), spec(engine, prompt, SEEDED)]
     alone = solo(engine, rows[0], STEPS)
@@ -276,12 +277,11 @@ def width(batch: Any) -> int:
     return int(batch.kv.length if batch.kv is not None else batch.cache.get_seq_length())
 
 
+@TRANSFORMERS
 def test_a_rewind_gives_back_its_cache_columns(engine: Any, kind: str) -> None:
     """The cache stays as wide as its longest row (what admission's memory estimate counts),
     however often rows are rewound; a row alone goes back to the unmasked path. (The GGUF
     engine's cells: tests/gguf/test_gguf_engine.py.)"""
-    if kind.startswith("gguf"):
-        pytest.skip("transformers cache columns")
     long, short = spec(engine, "The capital of France is Paris, and the capital of Spain is"), spec(engine, "x")
     grown, small = len(long.prompt_ids), len(short.prompt_ids)
     batch = engine.open_batch([long])
@@ -365,12 +365,11 @@ def test_a_rewound_row_samples_from_the_very_logits_of_a_fresh_run(engine: Any, 
 TAPS = (Tap(0, "pre_steering"), Tap(1, "post_steering"))
 
 
+@FLOAT32_TAPS
 def test_taps_after_a_rewind_start_at_the_refed_token(engine: Any, kind: str) -> None:
     """A tapped, steered row: after a rewind each readout starts at the re-fed token's
     position (the last prompt token's after a rewind to the prompt), and the vectors last
     read at each position the row keeps equal a hook's on its final tokens run alone."""
-    if kind not in ("fast-float32", "hf-float32"):
-        pytest.skip("taps are compared with a float32 reference on the transformers engine")
     row = spec(engine, "The capital of France is", deltas={1: delta(engine, 3)}, taps=TAPS)
     plain = spec(engine, "hello")
     prompt = len(row.prompt_ids)
