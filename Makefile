@@ -52,6 +52,7 @@ bench: $(VENV)/.dev
 	$(PY) bench/bench_attack.py
 	$(PY) bench/bench_probes.py
 	$(PY) bench/bench_lanes.py
+	$(PY) bench/bench_prefix.py
 	$(PY) bench/bench_reasoning.py
 	$(PY) bench/bench_batch.py
 

@@ -15,8 +15,8 @@ The groups, in the order a plugin meets them:
   ``ForwardPlan``, ``RowInfo``, ``TokenProcessor``, ``Outcome``, ``ChoiceResult``,
   ``Finalization``, ``RowOwner``;
 - the engine contract: ``Engine``, ``Batch``, ``Joinable``, ``Embedder``, ``Scorer``,
-  ``ResidualReader``, ``Tapping``, ``Rewinding``, ``Tap``, ``Readout``, ``ResidualListener``,
-  ``Capability``, ``Capacity``, ``ModelInfo``, ``RowSpec``,
+  ``ResidualReader``, ``Tapping``, ``Rewinding``, ``PrefixReusing``, ``Tap``, ``Readout``,
+  ``ResidualListener``, ``Capability``, ``Capacity``, ``ModelInfo``, ``RowSpec``,
   ``SamplingParams``, ``ServedModel``, ``ModelRegistry``;
 - OpenAI's request and response contracts;
 - errors (each carries its HTTP status and code; raise them, never build a response);
@@ -59,6 +59,7 @@ from .engine import (
     ModelInfo,
     ModelLocation,
     ModelSource,
+    PrefixReusing,
     Readout,
     ResidualListener,
     ResidualReader,
@@ -200,6 +201,7 @@ __all__ = [
     "TapPoint",
     "Tapping",
     "Rewinding",
+    "PrefixReusing",
     "TokenProcessor",
     "TokenMask",
     "RowEnd",

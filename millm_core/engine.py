@@ -340,6 +340,23 @@ class Rewinding(Protocol):
 
 
 @runtime_checkable
+class PrefixReusing(Protocol):
+    """An engine that keeps the KV state of earlier prompts and starts a new row's prefill
+    from the longest prefix it holds, instead of from the first token. A resumed row must
+    compute exactly what a full prefill would: its tokens, logits and readouts may not
+    depend on whether it resumed (an engine that cannot promise that for a row does not
+    resume it). What the state depends on is the key: the exact token ids, the row's
+    steering deltas and the engine's own state (model, dtype); rows whose deltas differ
+    never share. The core reads it once per row, after the step that ran the row's
+    prefill, for ``usage.prompt_tokens_details.cached_tokens``."""
+
+    def resumed(self, batch: Batch) -> list[int]:
+        """One count per row in row order (joined rows included), for the step just run:
+        how many of the row's prompt tokens its prefill took from retained state rather
+        than computing (0 when none). Meaningful for a row once its prefill has run."""
+
+
+@runtime_checkable
 class MemoryAware(Protocol):
     """An engine that can tell, before rows run, whether they fit in the memory free now
     (admission then refuses with ``503 insufficient_memory`` instead of running out of

@@ -135,13 +135,16 @@ class ChoiceResult:
 class Outcome:
     """What actually ran, read after it ran. ``kind`` says which path served the request:
     ``generation`` (the decode loop), ``scoring`` (one forward pass, nothing generated) or
-    ``embeddings``; a plugin's computed reply may name its own kind."""
+    ``embeddings``; a plugin's computed reply may name its own kind. ``cached_tokens``:
+    the part of ``prompt_tokens`` the engine resumed from retained state instead of
+    prefilling (``usage.prompt_tokens_details.cached_tokens``)."""
 
     choices: tuple[ChoiceResult, ...]
     prompt_tokens: int
     completion_tokens: int
     cancelled: bool = False
     kind: Literal["generation", "scoring", "embeddings"] | str = "generation"
+    cached_tokens: int = 0
 
 
 DEFAULT_CLOSING_ORDER = 50

@@ -34,6 +34,9 @@ class RowEvent:
     # choice itself (beside ``message``).
     usage: dict[str, int] | None = None
     choice: dict[str, Any] | None = None
+    # As the row ended: prompt tokens its prefill resumed from retained state (see
+    # :class:`~millm_core.engine.PrefixReusing`).
+    cached_tokens: int = 0
 
 
 # How many of its latest tokens a row can take back (the detokenizer remembers that many).
@@ -70,6 +73,7 @@ class RowDriver:
         "generated",
         "finish_reason",
         "constrained",
+        "cached_tokens",
     )
 
     def __init__(
@@ -101,6 +105,8 @@ class RowDriver:
         self._budget = max_new_tokens
         self.generated = 0
         self.finish_reason: str | None = None
+        # Prompt tokens the engine's prefill resumed for this row; None until it says.
+        self.cached_tokens: int | None = None
 
     def _owner(self) -> int | None:
         """The position of the first processor that owns the row now, or None."""
@@ -250,4 +256,4 @@ class RowDriver:
                 if said.choice:
                     choice = {**(choice or {}), **said.choice}
         self.finish_reason = reason
-        return RowEvent(self.row, emitted + carry, reason, fields, side=side, usage=usage, choice=choice)
+        return RowEvent(self.row, emitted + carry, reason, fields, side=side, usage=usage, choice=choice, cached_tokens=self.cached_tokens or 0)

@@ -38,7 +38,7 @@ from typing import Any, TypeVar, cast
 import msgspec
 import structlog
 
-from .engine import Capability, Joinable, Rewinding, Tapping
+from .engine import Capability, Joinable, PrefixReusing, Rewinding, Tapping
 from .errors import FieldNotHonoured, MillmError, QueueFull, ServiceUnavailable
 from .jobs import (
     Call,
@@ -370,6 +370,7 @@ class Scheduler:
             batch = engine.open_batch(first.rows)
             joinable = engine if isinstance(engine, Joinable) else None
             tapping = engine if isinstance(engine, Tapping) else None
+            reusing = engine if isinstance(engine, PrefixReusing) else None
             while run.slots:
                 if self._stopping:
                     run.fail_all(ServiceUnavailable("The server is shutting down; this request was stopped.", code="shutting_down"))
@@ -394,6 +395,8 @@ class Scheduler:
                     run.fail_rows(partial.errors)
                 if tapping is not None and run.tapped():
                     run.read(tapping.readouts(batch))
+                if reusing is not None and run.fresh_rows:
+                    run.resumed(reusing.resumed(batch))
                 if self._observe_step is not None:
                     self._observe_step(time.perf_counter() - started)
                 keep = run.accept(tokens)
@@ -430,6 +433,9 @@ class _Run:
         # Rows that take tokens back after the current step: (row position after the
         # step's retain, tokens).
         self._rewinds: list[tuple[int, int]] = []
+        # Rows started since the engine last said how much of their prompts it resumed
+        # (their prefill runs in the next step).
+        self.fresh_rows = False
 
     def rewind_failed(self, pos: int, exc: BaseException) -> None:
         """The engine could not rewind the row at ``pos``: its request fails (its rows
@@ -446,6 +452,7 @@ class _Run:
         return self.scheduler.stats
 
     def start(self, job: Job) -> None:
+        self.fresh_rows = True
         self.jobs.append(job)
         self.slots.extend((job, i) for i in range(len(job.drivers)))
         self.live[job] = len(job.drivers)
@@ -508,6 +515,16 @@ class _Run:
                 if len(out) <= pos:
                     out.append(None)
         return out, allowed
+
+    def resumed(self, counts: list[int]) -> None:
+        """After the step that prefilled new rows: how many prompt tokens each row's
+        prefill resumed (:class:`~millm_core.engine.PrefixReusing`), kept by rows that
+        have not heard it yet."""
+        self.fresh_rows = False
+        for (job, i), count in zip(self.slots, counts, strict=True):
+            driver = job.drivers[i]
+            if driver.cached_tokens is None:
+                driver.cached_tokens = count
 
     def tapped(self) -> bool:
         """Whether some row in the batch asked for taps (its vectors are read back)."""

@@ -53,12 +53,22 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # in X-miLLM-Ignored-Fields like any other unread field.
 
 
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    """OpenAI's breakdown of ``prompt_tokens``: ``cached_tokens`` is the part of the
+    prompt the engine resumed from retained state (the KV cache of an earlier prompt
+    sharing its prefix) instead of prefilling; 0 when none."""
+
+    cached_tokens: int = 0
+
+
 class Usage(msgspec.Struct, kw_only=True):
     """Token counts of one request (all choices together)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Always present on chat and text completions, as OpenAI sends it.
+    prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET
     # Breakdowns a plugin reports (for example ``reasoning_tokens``, ``rewound_tokens``,
     # both counted in ``completion_tokens``); absent when none does.
     completion_tokens_details: dict[str, int] | UnsetType = UNSET

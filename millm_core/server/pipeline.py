@@ -305,6 +305,7 @@ def outcome(
     counts: list[int],
     cancelled: bool = False,
     fields: list[dict[str, Any] | None] | None = None,
+    cached_tokens: int = 0,
 ) -> Outcome:
     extra = fields or [None] * len(texts)
     choices = tuple(
@@ -312,7 +313,9 @@ def outcome(
         for i in range(len(texts))
     )
     completion = sum(counts)
-    return Outcome(choices=choices, prompt_tokens=prepared.prompt_tokens, completion_tokens=completion, cancelled=cancelled)
+    return Outcome(
+        choices=choices, prompt_tokens=prepared.prompt_tokens, completion_tokens=completion, cancelled=cancelled, cached_tokens=cached_tokens
+    )
 
 
 def finalize(state: AppState, prepared: Prepared, result: Outcome) -> Finalization:

@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..codec import SSE_DONE, encode, sse_frame
 from ..context import RequestContext
-from ..contracts.common import StreamOptions, Usage
+from ..contracts.common import PromptTokensDetails, StreamOptions, Usage
 from ..engine import backend_of
 from ..errors import MillmError
 from ..metrics import TokenClock
@@ -86,6 +86,8 @@ class _Progress:
     it: an interrupted stream finalizes with what was sent)."""
 
     rows: int
+    # Rows per prompt (the request's ``n``): a prompt's cached tokens are its rows' least.
+    per_prompt: int = 1
     finalized: bool = False
     counts: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
@@ -97,9 +99,11 @@ class _Progress:
     # Fields of each choice itself (beside ``message``), and the summed usage details.
     choices: list[dict[str, Any] | None] = field(default_factory=list)
     details: dict[str, int] = field(default_factory=dict)
+    # Prompt tokens each row's prefill resumed from retained state.
+    cached: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.counts, self.texts = [0] * self.rows, [""] * self.rows
+        self.counts, self.texts, self.cached = [0] * self.rows, [""] * self.rows, [0] * self.rows
         self.reasons, self.ended, self.choices = [None] * self.rows, [None] * self.rows, [None] * self.rows
         self.sides = [{} for _ in range(self.rows)]
 
@@ -115,6 +119,7 @@ class _Progress:
             self.reasons[ev.row] = ev.finish_reason
             self.ended[ev.row] = ev.fields
             self.choices[ev.row] = ev.choice
+            self.cached[ev.row] = ev.cached_tokens
             for name, count in (ev.usage or {}).items():
                 self.details[name] = self.details.get(name, 0) + count
 
@@ -123,21 +128,34 @@ class _Progress:
         processors added as it ended."""
         return [({**side, **(ended or {})} or None) for side, ended in zip(self.sides, self.ended, strict=True)]
 
+    def cached_tokens(self) -> int:
+        """The prompt tokens the request never prefilled: per prompt (counted once, as in
+        ``prompt_tokens``), the least any of its rows resumed."""
+        n = self.per_prompt
+        return sum(min(self.cached[i : i + n]) for i in range(0, self.rows, n))
+
     def usage(self, prompt_tokens: int) -> Usage:
         completion = sum(self.counts)
-        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+        usage = Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=prompt_tokens + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens()),
+        )
         if self.details:
             usage.completion_tokens_details = dict(self.details)
         return usage
 
     def outcome(self, prepared: Prepared, *, cancelled: bool = False) -> Outcome:
-        return outcome(prepared, self.texts, self.reasons, self.counts, cancelled=cancelled, fields=self.fields())
+        return outcome(
+            prepared, self.texts, self.reasons, self.counts, cancelled=cancelled, fields=self.fields(), cached_tokens=self.cached_tokens()
+        )
 
 
 async def complete(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
     """Run to the end and answer with one JSON body."""
     handle = submit(state, prepared)
-    progress = _Progress(handle.rows)
+    progress = _Progress(handle.rows, prepared.n)
     clock = TokenClock(state.metrics, prepared.ctx.started)
     try:
         async for step in events(handle):
@@ -185,7 +203,7 @@ def stream(state: AppState, prepared: Prepared, shapes: Shapes) -> Response:
     created = prepared.ctx.created
     options = getattr(prepared.request, "stream_options", None)
     include_usage = not (isinstance(options, StreamOptions) and options.include_usage is False)
-    progress = _Progress(handle.rows)
+    progress = _Progress(handle.rows, prepared.n)
 
     def chunk(row: int, text: str | None, reason: str | None = None, usage: Usage | None = None, fields: dict[str, Any] | None = None) -> msgspec.Struct:
         return shapes.chunk(response_id, created, info.served_name, row, text, reason, False, usage, fields)

@@ -6,6 +6,10 @@ prompts of rows that have not run yet and the last token of every other row, rea
 logits of each row's last position and samples them in numpy. Rows of later requests can
 join a running batch (:meth:`GGUFEngine.join`): the scheduler uses that to serve
 concurrent streams together, which is where a batch API beats a serial server.
+
+With one sequence at a time (``--gguf-parallel 1``, ``--batch-invariant``) a prompt runs
+in calls that end at the multiples of ``prefix.CHUNK``, and its beginning can be restored
+from an earlier prompt's saved state (prefix reuse, see :mod:`.prefix`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from millm_core.api import (
 )
 
 from .llama import LlamaModel, Piece
+from .prefix import CHUNK, StateCache
 from .sampler import sample_row
 
 
@@ -54,6 +59,7 @@ class Row:
     reserve: int
     n_past: int = 0  # tokens already in the KV cache
     prompt_len: int = 0
+    resumed: int = 0  # prompt tokens restored from the prefix cache (see .prefix)
 
 
 @dataclass
@@ -72,12 +78,17 @@ class GGUFEngine:
         parallel: int,
         refusals: Mapping[Capability, str],
         chat_template: str | None = None,
+        prefix: StateCache | None = None,
     ) -> None:
         self.llm = llm
         self.info = info
         self.capabilities = capabilities
         self.refusals = dict(refusals)  # why a capability is missing, for the error message
         self.parallel = parallel
+        # One sequence at a time: prompts run in calls ending at the multiples of CHUNK,
+        # which makes a prompt's beginning reusable exactly (see .prefix); only then.
+        self.chunked = parallel == 1
+        self.prefix = prefix if self.chunked else None
         self._free_seqs = list(range(parallel))
         self._reserved = 0
         eos = {t for t in (llm.special("eos"), llm.special("eot")) if t is not None}
@@ -205,16 +216,52 @@ class GGUFEngine:
                 Row(seq=seq, tokens=list(spec.prompt_ids), sampling=spec.sampling, reserve=reserve, prompt_len=len(spec.prompt_ids))
             )
 
+    def resumed(self, batch: GGUFBatch) -> list[int]:
+        """Per row, the prompt tokens its prefill restored from the prefix cache (0: none)."""
+        return [row.resumed for row in batch.rows]
+
+    def _resume(self, row: Row) -> None:
+        """Before a row's prefill: restore the longest whole-chunk beginning of its prompt
+        the prefix cache holds."""
+        assert self.prefix is not None
+        found = self.prefix.lookup(row.tokens[: row.prompt_len])
+        if found is not None and self.llm.restore(row.seq, found[1], found[0]):
+            row.n_past = row.resumed = found[0]
+
+    def _save(self, rows: Sequence[Row], call: Sequence[Piece]) -> None:
+        """After a call that ended at a prompt's last whole chunk: keep the sequence's state."""
+        assert self.prefix is not None
+        last = call[-1]
+        row = next(r for r in rows if r.seq == last.seq)
+        whole = row.prompt_len // CHUNK * CHUNK
+        if whole and last.pos == whole - 1 and whole > row.resumed and not self.prefix.holds(row.tokens[:whole]):
+            self.prefix.store(row.tokens[:whole], self.llm.save(row.seq))
+
+    def _calls(self, pieces: Sequence[Piece]) -> list[list[Piece]]:
+        """The decode calls carrying ``pieces``: at most ``n_batch`` each and, with one
+        sequence at a time, ending at the multiples of CHUNK."""
+        calls: list[list[Piece]] = []
+        for piece in pieces:
+            if not calls or len(calls[-1]) == self.llm.n_batch or (self.chunked and piece.pos % CHUNK == 0):
+                calls.append([])
+            calls[-1].append(piece)
+        return calls
+
     def step(self, batch: GGUFBatch, biases: Sequence[Mapping[int, float] | None], allowed: Sequence[Any] | None = None) -> list[int]:
+        if self.prefix is not None:
+            for row in batch.rows:
+                if row.n_past == 0 and len(row.tokens) == row.prompt_len:
+                    self._resume(row)
         pieces: list[Piece] = []
         for row in batch.rows:
             pending = row.tokens[row.n_past :]
             for offset, token in enumerate(pending):
                 pieces.append(Piece(token=token, seq=row.seq, pos=row.n_past + offset, output=offset == len(pending) - 1))
         logits: list[np.ndarray] = []
-        limit = self.llm.n_batch
-        for start in range(0, len(pieces), limit):
-            logits.extend(self.llm.decode(pieces[start : start + limit]))
+        for call in self._calls(pieces):
+            logits.extend(self.llm.decode(call))
+            if self.prefix is not None:
+                self._save(batch.rows, call)
         out: list[int] = []
         broken: dict[int, BaseException] = {}
         masks: Sequence[Any] = allowed if allowed is not None else [None] * len(batch.rows)
@@ -241,10 +288,11 @@ class GGUFEngine:
     def rewind(self, batch: GGUFBatch, row: int, k: int) -> None:
         """Take back row ``row``'s last ``k`` draws, as if never drawn: the sequence's KV
         cells from the re-fed token's position on are freed and the next step feeds that
-        token there. Back to the prompt (``k == n``) the whole prompt runs again in one
-        call, as the prefill did: fed alone, its last token's logits would differ from the
-        prefill's by rounding. A cache that cannot keep the sequence's start (recurrent
-        state, sliding window) runs the prompt and the kept draws again."""
+        token there. Back to the prompt (``k == n``) the whole prompt runs again in the
+        calls the prefill ran (restored from the prefix cache where it can): fed alone, its
+        last token's logits would differ from the prefill's by rounding. A cache that
+        cannot keep the sequence's start (recurrent state, sliding window) runs the prompt
+        and the kept draws again."""
         if not 0 <= row < len(batch.rows):
             raise ValueError(f"row {row} is not in the batch ({len(batch.rows)} rows)")
         state = batch.rows[row]

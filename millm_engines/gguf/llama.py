@@ -188,6 +188,36 @@ class LlamaModel:
             return False
         return pos == 0 or int(L.llama_memory_seq_pos_min(self.memory, seq)) == 0
 
+    def prefix_refusal(self) -> str | None:
+        """Why a saved sequence cannot stand in for a prompt's beginning on this model
+        (None: it can): a recurrent state holds no per-position cells to cut back, and a
+        sliding window has already dropped a long prompt's start."""
+        if L.llama_model_is_recurrent(self.model):
+            return "the model is recurrent"
+        if int(L.llama_model_n_swa(self.model)) > 0:
+            return "the model attends through a sliding window"
+        return None
+
+    def save(self, seq: int) -> bytes:
+        """Sequence ``seq``'s state (its KV cells), byte for byte."""
+        size = int(L.llama_state_seq_get_size(self.ctx, seq))
+        buf = (ctypes.c_uint8 * size)()
+        written = int(L.llama_state_seq_get_data(self.ctx, buf, size, seq))
+        return bytes(buf[:written])
+
+    def restore(self, seq: int, state: bytes, keep: int) -> bool:
+        """Load a state saved by :meth:`save` into the empty sequence ``seq`` and keep its
+        positions ``0 .. keep - 1``. False (the sequence left empty) when that is not
+        what the sequence then holds."""
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if int(L.llama_state_seq_set_data(self.ctx, buf, len(state), seq)) != len(state) or not self.forget_from(seq, keep):
+            self.forget(seq)
+            return False
+        if int(L.llama_memory_seq_pos_max(self.memory, seq)) != keep - 1:
+            self.forget(seq)
+            return False
+        return True
+
     def embed(self, ids: Sequence[int], n_ctx: int) -> np.ndarray:
         """The mean of the last hidden states over ``ids`` (llama.cpp's MEAN pooling), in a
         separate context whose one batch holds a whole input of up to ``n_ctx`` tokens."""

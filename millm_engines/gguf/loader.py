@@ -12,7 +12,8 @@ from millm_core.api import Capability, ConfigError, ModelInfo, ModelLocation, Se
 from . import naming
 from .engine import GGUFEngine
 from .llama import LlamaModel
-from .plugin import CAPABILITIES, EMBEDDINGS, ENGINE, KV_CELLS, PARALLEL
+from .plugin import CAPABILITIES, EMBEDDINGS, ENGINE, KV_CELLS, PARALLEL, PREFIX_CACHE_MB
+from .prefix import StateCache
 
 log = structlog.get_logger("millm.gguf")
 DEFAULT_MAX_CELLS = 16384
@@ -70,7 +71,12 @@ def load_engine(location: ModelLocation, settings: Settings) -> GGUFEngine:
         if embeddings
         else {Capability.EMBEDDINGS: f"the model was loaded with {EMBEDDINGS.name}=false (MILLM_{EMBEDDINGS.name.upper()})"}
     )
-    engine = GGUFEngine(llm, info, capabilities, parallel, refusals, chat_template=operator_chat_template(settings.chat_template))
+    # Prefix reuse is exact with one sequence at a time only (see .prefix).
+    no_prefix = "several sequences share the cache" if parallel > 1 else llm.prefix_refusal() if PREFIX_CACHE_MB.get(settings) else "off"
+    prefix = StateCache(PREFIX_CACHE_MB.get(settings) * 2**20) if no_prefix is None else None
+    engine = GGUFEngine(
+        llm, info, capabilities, parallel, refusals, chat_template=operator_chat_template(settings.chat_template), prefix=prefix
+    )
     log.info(
         "gguf_loaded",
         model=served,
@@ -78,6 +84,7 @@ def load_engine(location: ModelLocation, settings: Settings) -> GGUFEngine:
         context=context,
         kv_cells=cells,
         parallel=parallel,
+        prefix_cache=no_prefix or f"{PREFIX_CACHE_MB.get(settings)} MiB",
         threads=threads,
         seconds=round(time.perf_counter() - started, 2),
     )

@@ -55,6 +55,12 @@ EMBEDDINGS = PluginSetting(
     "gguf_enable_embeddings", True, "load GGUF models able to embed (a second, embeddings-only llama.cpp context)", parse_bool
 )
 PARALLEL = PluginSetting("gguf_parallel", 8, "sequences a GGUF model decodes together (concurrent requests share its batch)", _positive)
+PREFIX_CACHE_MB = PluginSetting(
+    "gguf_prefix_cache_mb",
+    256,
+    "MiB of prompts' saved KV state kept for prefix reuse with one sequence at a time (--gguf-parallel 1 or --batch-invariant; 0: off)",
+    _positive,
+)
 KV_CELLS = PluginSetting(
     "gguf_kv_cells", 0, "KV-cache cells shared by those sequences (0: the context × parallel, at most 16384)", _positive
 )
@@ -62,7 +68,7 @@ KV_CELLS = PluginSetting(
 
 @hookimpl
 def millm_register_settings(register: Callable[[PluginSetting[Any]], None]) -> None:
-    for setting in (EMBEDDINGS, PARALLEL, KV_CELLS):
+    for setting in (EMBEDDINGS, PARALLEL, KV_CELLS, PREFIX_CACHE_MB):
         register(setting)
 
 

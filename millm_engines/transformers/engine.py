@@ -2,7 +2,8 @@
 
 Rows are left-padded so that every row's next token sits in the last column; a batch
 without padding passes no attention mask at all (the causal fast path). Finished rows are
-dropped from the KV cache between steps.
+dropped from the KV cache between steps. On the lean decode step each row is prefilled
+alone, in chunks, resumed from the prefix cache where it can (see :mod:`.prefix`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .fastpath import KVCache, LlamaDecoder
 from .fp32 import Float32Copies
 from .memory import available_bytes, shortfall
 from .plugin import CAPABILITIES  # declared once, before any load
+from .prefix import PrefixCache, prefill_chunks
 from .rewind import PromptEnd, refeed_prompt_ends, refusal, rewind, select
 from .sampler import apply_biases, apply_masks, sample
 from .taps import Captured, TapSet, block_hook, readouts
@@ -65,6 +67,8 @@ class HFBatch:
     drawn: list[list[int]] = field(default_factory=list)
     first_logits: list[torch.Tensor] = field(default_factory=list)
     refill: dict[int, PromptEnd] = field(default_factory=dict)
+    # Prompt tokens each row's prefill resumed from the prefix cache (see .prefix).
+    resumed: list[int] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -92,9 +96,13 @@ class TransformersEngine:
         info: ModelInfo,
         eos_token_ids: frozenset[int],
         fast: LlamaDecoder | None = None,
+        prefix: PrefixCache | None = None,
     ) -> None:
         self.model = model
         self.fast = fast
+        # Prompts' KV blocks for prefix reuse: only on the lean decode step, whose prefill
+        # runs each row alone in fixed chunks (see .prefix).
+        self.prefix = prefix if fast is not None else None
         self._fp32 = Float32Copies()
         self.tokenizer = tokenizer
         self.info = info
@@ -154,7 +162,11 @@ class TransformersEngine:
 
     def _new_batch(self, rows: Sequence[RowSpec]) -> HFBatch:
         batch = HFBatch(
-            prompts=[r.prompt_ids for r in rows], params=[r.sampling for r in rows], row_taps=[r.taps for r in rows], drawn=[[] for _ in rows]
+            prompts=[r.prompt_ids for r in rows],
+            params=[r.sampling for r in rows],
+            row_taps=[r.taps for r in rows],
+            drawn=[[] for _ in rows],
+            resumed=[0] * len(rows),
         )
         batch.taps = TapSet.build(batch.row_taps, self.device, self.info.n_layers)
         layers = sorted({layer for r in rows for layer in r.deltas})
@@ -241,6 +253,10 @@ class TransformersEngine:
         """The tapped rows' vectors from the step just run (joined rows' prompts included)."""
         return batch.reads if batch.reads is not None else [None] * batch.size
 
+    def resumed(self, batch: HFBatch) -> list[int]:
+        """Per row, the prompt tokens its prefill resumed from the prefix cache (0: none)."""
+        return list(batch.resumed)
+
     @property
     def batch_invariant(self) -> bool:
         """The lean decode step prefills each row alone and attends over each row's own
@@ -293,6 +309,7 @@ class TransformersEngine:
         batch.prompts += sub.prompts
         batch.params += sub.params
         batch.drawn += sub.drawn
+        batch.resumed += sub.resumed
         batch.first_logits += sub.first_logits
         batch.row_taps += sub.row_taps
         if batch.taps is not None or sub.taps is not None:
@@ -313,10 +330,13 @@ class TransformersEngine:
         own and the caches merged: a row's prefill then never depends on the other rows
         (no padding, the same matrix shapes as alone), which low-precision kernels would
         otherwise show in its tokens."""
-        if self.fast is None or batch.size == 1:
+        if self.fast is None:
             return self._prefill_padded(batch)
+        if batch.size == 1:
+            return self._prefill_row(batch)
         parts = [self._row_batch(batch, r) for r in range(batch.size)]
-        logits = torch.cat([self._prefill_padded(part) for part in parts])
+        logits = torch.cat([self._prefill_row(part) for part in parts])
+        batch.resumed = [part.resumed[0] for part in parts]
         merged = parts[0]
         for part in parts[1:]:
             self._merge(merged, part)
@@ -327,11 +347,43 @@ class TransformersEngine:
 
     def _row_batch(self, batch: HFBatch, row: int) -> HFBatch:
         """Row ``row`` of ``batch`` as a batch of its own (same delta, same taps)."""
-        part = HFBatch(prompts=[batch.prompts[row]], params=[batch.params[row]], row_taps=[batch.row_taps[row]])
+        part = HFBatch(prompts=[batch.prompts[row]], params=[batch.params[row]], row_taps=[batch.row_taps[row]], resumed=[0])
         part.taps = TapSet.build(part.row_taps, self.device, self.info.n_layers)
         if batch.deltas is not None:
             part.deltas = {layer: delta[row : row + 1] for layer, delta in batch.deltas.items()}
         return part
+
+    def _prefill_row(self, part: HFBatch) -> torch.Tensor:
+        """One row's prefill on the lean decode step, in chunks ending at the multiples of
+        ``prefix.CHUNK``, resumed from the longest prefix the prefix cache holds for the
+        row (not for a tapped row: its readouts cover every prompt position); the row's
+        whole chunks then go into the cache. See :mod:`.prefix` for why this is exact."""
+        prompt = part.prompts[0]
+        cache = DynamicCache(config=self.model.config)
+        deltas = {layer: delta[0] for layer, delta in part.deltas.items()} if part.deltas else None
+        root = self.prefix.root(deltas) if self.prefix is not None else b""
+        start = 0
+        if self.prefix is not None and part.taps is None:
+            found = self.prefix.lookup(root, prompt)
+            if found is not None:
+                start = found.length
+                for layer, (keys, values) in enumerate(zip(found.keys, found.values, strict=True)):
+                    cache.update(keys, values, layer)
+        logits, captured = prefill_chunks(self.model, prompt, start, cache, lambda into: self._block_hooks(part, into))
+        if self.prefix is not None:
+            layers: list[Any] = list(cache.layers)
+            self.prefix.store(root, prompt, [layer.keys for layer in layers], [layer.values for layer in layers])
+        part.kv = KVCache.from_hf(cache)
+        part.mask = None
+        part.next_pos = torch.tensor([len(prompt)], dtype=torch.long, device=self.device)
+        part.draw_pos = [len(prompt)]
+        part.resumed = [start]
+        if part.taps is not None:
+            joined = {tap: torch.cat([c[tap] for c in captured], dim=1) for tap in captured[0]}
+            part.reads = readouts(part.taps, joined, [0], [len(prompt)])
+        else:
+            part.reads = None
+        return logits
 
     def _prefill_padded(self, batch: HFBatch) -> torch.Tensor:
         lengths = [len(p) for p in batch.prompts]
@@ -413,6 +465,7 @@ class TransformersEngine:
         assert batch.draw_pos is not None
         batch.draw_pos = [batch.draw_pos[i] for i in keep]
         batch.row_taps = [batch.row_taps[i] for i in keep]
+        batch.resumed = [batch.resumed[i] for i in keep]
         if batch.taps is not None:
             batch.taps = TapSet.build(batch.row_taps, self.device, self.info.n_layers)
         batch.reads = None

@@ -18,7 +18,8 @@ from millm_core.api import ConfigError, ModelInfo, ModelLocation, Settings, oper
 
 from .engine import TransformersEngine
 from .fastpath import LlamaDecoder, unsupported_reason
-from .settings import FAST_DECODE
+from .prefix import PrefixCache
+from .settings import FAST_DECODE, PREFIX_CACHE_MB
 
 log = structlog.get_logger("millm.engine.transformers")
 
@@ -102,8 +103,11 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
     )
     fast = None
     reason = unsupported_reason(model) if FAST_DECODE.get(settings) else "disabled by --fast-decode false"
+    prefix = None
     if reason is None:
         fast = LlamaDecoder(model)
+        if PREFIX_CACHE_MB.get(settings) > 0:  # the cache belongs to this model in this dtype
+            prefix = PrefixCache(PREFIX_CACHE_MB.get(settings) * 2**20, f"{info.served_name}@{info.revision}:{info.dtype}")
     log.info(
         "model_loaded",
         model=info.served_name,
@@ -112,8 +116,9 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
         threads=torch.get_num_threads(),
         fast_decode=fast is not None,
         fast_decode_reason=reason,
+        prefix_cache_mb=PREFIX_CACHE_MB.get(settings) if prefix is not None else 0,
     )
-    engine = TransformersEngine(model, tokenizer, info, _eos_ids(tokenizer, path), fast=fast)
+    engine = TransformersEngine(model, tokenizer, info, _eos_ids(tokenizer, path), fast=fast, prefix=prefix)
     engine.generation_defaults = stated_sampling(path)
     if settings.batch_invariant and not engine.batch_invariant:
         raise ConfigError(

@@ -9,7 +9,7 @@ from typing import Any
 
 from millm_core.api import Capability, EngineFactory, ModelLocation, PluginSetting, Settings, hookimpl
 
-from .settings import FAST_DECODE
+from .settings import FAST_DECODE, PREFIX_CACHE_MB
 
 MILLM_PLUGIN_KIND = "engine"
 
@@ -54,3 +54,4 @@ def millm_register_engines(register: Callable[[EngineFactory], None]) -> None:
 @hookimpl
 def millm_register_settings(register: Callable[[PluginSetting[Any]], None]) -> None:
     register(FAST_DECODE)
+    register(PREFIX_CACHE_MB)
