@@ -9,7 +9,8 @@ The groups, in the order a plugin meets them:
 
 - hooks: ``hookimpl`` (and ``PROJECT``, the entry-point group's name);
 - declarations made at start-up: ``RequestField``, ``FieldRule``, ``PluginSetting``,
-  ``Command``, ``RouteDoc``, ``EngineFactory``, ``ModelSource``, ``ModelLocation``;
+  ``Command``, ``RouteDoc``, ``EngineFactory`` (and its ``LoadPlan``), ``ModelSource``,
+  ``ModelLocation``;
 - the contexts hooks receive: ``AppContext``, ``RequestContext``, ``StashKey``;
 - what request hooks exchange: ``Problem``, ``Generate``, ``Compute``, ``Reply``,
   ``ForwardPlan``, ``RowInfo``, ``TokenProcessor``, ``Outcome``, ``ChoiceResult``,
@@ -17,7 +18,7 @@ The groups, in the order a plugin meets them:
 - the engine contract: ``Engine``, ``Batch``, ``Joinable``, ``Embedder``, ``Scorer``,
   ``ResidualReader``, ``Tapping``, ``Rewinding``, ``PrefixReusing``, ``Tap``, ``Readout``,
   ``ResidualListener``, ``Capability``, ``Capacity``, ``ModelInfo``, ``RowSpec``,
-  ``SamplingParams``, ``ServedModel``, ``ModelRegistry``;
+  ``SamplingParams``, ``ServedModel``, ``ModelRegistry``, ``SwitchTarget``;
 - OpenAI's request and response contracts;
 - errors (each carries its HTTP status and code; raise them, never build a response);
 - serving a model request from a plugin: ``dispatch`` and its ``Dispatched`` reply
@@ -55,6 +56,7 @@ from .engine import (
     Engine,
     EngineFactory,
     Joinable,
+    LoadPlan,
     MemoryAware,
     ModelInfo,
     ModelLocation,
@@ -92,12 +94,14 @@ from .errors import (
     OutOfMemory,
     ScoringPrecisionUnavailable,
     ServiceUnavailable,
+    UnsupportedQuantization,
 )
 from .fields import GENERATION_ENDPOINTS, FieldRule
 from .hookspecs import PROJECT, hookimpl
 from .jobs import RowsFailed
 from .loading import load_served_model, local_revision
 from .logs import configure_logging
+from .memory import host_available_bytes
 from .openapi import RouteDoc
 from .pipeline_types import (
     ChatRender,
@@ -113,7 +117,7 @@ from .pipeline_types import (
     RowInfo,
 )
 from .prompts import prompt_ids, refuse_empty, with_opening
-from .registry import ModelRegistry, ServedModel
+from .registry import ModelRegistry, ServedModel, SwitchTarget
 from .requestfields import RequestField, request_types_with
 from .rng import uniform
 from .server.dispatch import CLIENT_CLOSED, Dispatched, declares, dispatch
@@ -164,6 +168,7 @@ __all__ = [
     "InternalError",
     "InvalidRequest",
     "Joinable",
+    "LoadPlan",
     "MemoryAware",
     "MillmError",
     "ModelInfo",
@@ -197,6 +202,7 @@ __all__ = [
     "Stash",
     "StashKey",
     "Store",
+    "SwitchTarget",
     "Tap",
     "TapPoint",
     "Tapping",
@@ -204,6 +210,7 @@ __all__ = [
     "PrefixReusing",
     "TokenProcessor",
     "TokenMask",
+    "UnsupportedQuantization",
     "RowEnd",
     "RowOwner",
     "Usage",
@@ -218,6 +225,7 @@ __all__ = [
     "event_stream",
     "generic_chat_text",
     "has_tool_history",
+    "host_available_bytes",
     "operator_chat_template",
     "refuse_tools_without_template",
     "hookimpl",

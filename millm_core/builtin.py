@@ -78,6 +78,12 @@ def millm_register_routes(register: Callable[..., None]) -> None:
 
 
 @hookimpl(trylast=True)
+def millm_requested_model(ctx: RequestContext, request: Any) -> str | None:
+    name = getattr(request, "model", None)
+    return name if isinstance(name, str) else None
+
+
+@hookimpl(trylast=True)
 def millm_resolve(ctx: RequestContext, request: Any, models: ModelRegistry) -> ServedModel:
     model = models.get(request.model)
     if model is None:

@@ -52,6 +52,7 @@ _HELP = {
     "db": "the SQLite database for what persists (default ~/.local/share/millm/millm.db)",
     "model_roots": "comma-separated directories whose checkpoint folders and GGUF files GET /api/models lists as loadable (default: none)",
     "graceful_unload_timeout": "seconds an unload waits for the model's running requests before cancelling them (default 30)",
+    "auto_load": "a request naming a loadable model that is not loaded loads it, unloading the resident first (default true)",
 }
 
 
@@ -258,7 +259,7 @@ async def _serve(settings: Settings) -> None:
 
     def loader() -> ServedModel:
         engine = load(location, settings, host)
-        return ServedModel(info=engine.info, engine=engine)
+        return ServedModel(info=engine.info, engine=engine, location=location)
 
     app = create_app(settings, host=host, loader=loader)
     config = hypercorn_config(settings)

@@ -60,6 +60,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     model_roots: tuple[str, ...] = ()
     # Seconds an unload waits for the model's running requests before cancelling them.
     graceful_unload_timeout: float = 30.0
+    # A request naming a model that is not loaded but can be (GET /api/models) loads it,
+    # unloading the resident model first; off: such a request is a 404.
+    auto_load: bool = True
     # Values of the settings plugins declared through ``millm_register_settings``; read
     # one with its declaration: ``SETTING.get(settings)``.
     plugin_values: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -129,6 +132,7 @@ PARSERS: Mapping[str, object] = {
     "db": str,
     "model_roots": _csv,
     "graceful_unload_timeout": float,
+    "auto_load": parse_bool,
 }
 
 

@@ -411,12 +411,30 @@ class Scorer(Protocol):
 
 
 @dataclass(frozen=True)
+class LoadPlan:
+    """What loading a model would take, told by its engine before anything is loaded or
+    unloaded: ``need`` is the bytes its weights will take on each device (``"cpu"``,
+    ``"cuda:0"``), ``free`` the bytes free there now. The core refuses a load whose need
+    exceeds what is free plus what unloading the resident models gives back
+    (``503 insufficient_memory``, with these figures)."""
+
+    need: Mapping[str, int]
+    free: Mapping[str, int]
+
+
+@dataclass(frozen=True)
 class EngineFactory:
     """How an engine plugin offers itself. ``can_load`` says whether this engine serves
     a resolved model location; ``load`` builds the engine (this is where torch or
     llama_cpp get imported). ``capabilities`` are declared before loading, so a request
     can be refused before any model loads (the conformance suite checks that the loaded
-    engine's capabilities equal them)."""
+    engine's capabilities equal them).
+
+    ``preflight`` (optional) looks at a model's files without loading them: it raises the
+    engine's typed refusal (``UnsupportedQuantization``: a quantization this engine
+    cannot load here) or returns the :class:`LoadPlan`. The core runs it before a switch
+    unloads the resident model, so a model that cannot be loaded never evicts one that
+    works. Without it, loads are attempted and fail as they fail."""
 
     name: str
     capabilities: frozenset[str]
@@ -425,6 +443,7 @@ class EngineFactory:
     # batch class; the core checks the result against :class:`Engine` when it loads.
     load: Callable[[ModelLocation, Settings], object]
     priority: int = 100
+    preflight: Callable[[ModelLocation, Settings], LoadPlan] | None = None
 
 
 @dataclass(frozen=True)

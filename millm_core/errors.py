@@ -62,6 +62,14 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class UnsupportedQuantization(InvalidRequest):
+    """400: the named model's quantization cannot be loaded by its engine here (the
+    message says what it would need); raised by an engine's preflight, before anything
+    is unloaded."""
+
+    code = "unsupported_quantization"
+
+
 class NotFound(MillmError):
     """404: the named model or object does not exist."""
 

@@ -3,7 +3,8 @@
 Registration hooks run while the app is built; lifecycle hooks when it starts, when a
 model is loaded and when it stops. Request hooks run for every request to
 ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings``, in this order:
-``millm_resolve`` → (the core's field-policy check against the resolved engine) →
+(for a request naming a model that is not loaded: ``millm_requested_model`` →
+``millm_validate_switch`` → ``millm_model_unloading`` → the switch) → ``millm_resolve`` → (the core's field-policy check against the resolved engine) →
 ``millm_validate`` → ``millm_execute`` (who serves it). For generation then
 ``millm_pre_forward`` → (the per-token stage: the
 :class:`~millm_core.engine.TokenProcessor` objects contributed in pre-forward, run by the
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from .engine import EngineFactory, ModelLocation, ModelSource
     from .fields import FieldRule
     from .pipeline_types import ChatRender, Execution, Finalization, ForwardPlan, Outcome, Problem
-    from .registry import ModelRegistry, ServedModel
+    from .registry import ModelRegistry, ServedModel, SwitchTarget
     from .requestfields import RequestField
 
 PROJECT = "millm"
@@ -186,6 +187,19 @@ def millm_model_unloaded(app: AppContext, model: ServedModel) -> None:
 
 
 @hookspec
+def millm_model_unloading(app: AppContext, model: ServedModel) -> None:
+    """``model`` is about to be unloaded (``POST /api/models/{id}/unload``, or a request
+    naming another model, which unloads the resident first), before anything is moved.
+    Raise a :class:`~millm_core.errors.MillmError` to keep it loaded: nothing is unloaded
+    and the request or the unload answers with that error (for example ``409
+    weights_unsaved`` for a model whose weights carry edits no checkpoint records). Runs
+    on the event loop: keep it short.
+
+    Return: nothing.
+    """
+
+
+@hookspec
 def millm_shutdown(app: AppContext) -> None:
     """The server is stopping, after the last request: release what ``millm_startup``
     created. Every implementation runs even if one raises (the error is logged).
@@ -204,6 +218,29 @@ def millm_resolve(ctx: RequestContext, request: Any, models: ModelRegistry) -> S
     Return: a :class:`~millm_core.registry.ServedModel`, or None to defer. The core's own
     implementation runs last (``trylast``): it matches ``request.model`` against the served
     names and raises ``404 model_not_found``.
+    """
+
+
+@hookspec(firstresult=True)
+def millm_requested_model(ctx: RequestContext, request: Any) -> str | None:
+    """The name of the model a request asks for, when a plugin reads ``request.model``
+    otherwise than as a served name (the lanes plugin: ``model@agent`` names ``model``).
+    Consulted only when no served model resolves the request, to load the model it names
+    (``--auto-load``). The core's implementation runs last and answers ``request.model``.
+
+    Return: a model name, or None to defer.
+    """
+
+
+@hookspec
+def millm_validate_switch(ctx: RequestContext, request: Any, target: SwitchTarget) -> Iterable[Problem] | None:
+    """The request names ``target``, a model that is not loaded: before the resident
+    model is unloaded and ``target`` loaded for it, refuse what the request could never
+    get on ``target`` (the steering plugin: steering for a model that has no SAE attached
+    for it). Only what is known without the model loaded: the full validation
+    (``millm_validate``) runs once it is.
+
+    Return: problems (or None); any problem refuses the request and nothing is unloaded.
     """
 
 

@@ -27,7 +27,7 @@ from .errors import ConfigError
 from .fields import FieldRule
 from .openapi import Documented, RouteDoc
 from .pipeline_types import ChatRender, Execution, Finalization, ForwardPlan, Outcome, Problem
-from .registry import ModelRegistry, ServedModel
+from .registry import ModelRegistry, ServedModel, SwitchTarget
 from .requestfields import RequestField
 
 log = structlog.get_logger("millm.plugins")
@@ -196,6 +196,10 @@ class PluginHost:
     def model_loaded(self, app: AppContext, model: ServedModel) -> None:
         self._pm.hook.millm_model_loaded(app=app, model=model)
 
+    def model_unloading(self, app: AppContext, model: ServedModel) -> None:
+        """Raises the first plugin's refusal to let ``model`` go."""
+        self._pm.hook.millm_model_unloading(app=app, model=model)
+
     def model_unloaded(self, app: AppContext, model: ServedModel) -> None:
         """Every implementation runs, even after one raised (each error is logged)."""
         for impl in reversed(self._pm.hook.millm_model_unloaded.get_hookimpls()):
@@ -225,6 +229,14 @@ class PluginHost:
     def resolve(self, ctx: RequestContext, request: Any, models: ModelRegistry) -> ServedModel | None:
         result: ServedModel | None = self._pm.hook.millm_resolve(ctx=ctx, request=request, models=models)
         return result
+
+    def requested_model(self, ctx: RequestContext, request: Any) -> str | None:
+        result: str | None = self._pm.hook.millm_requested_model(ctx=ctx, request=request)
+        return result
+
+    def validate_switch(self, ctx: RequestContext, request: Any, target: SwitchTarget) -> list[Problem]:
+        results: Sequence[Iterable[Problem] | None] = self._pm.hook.millm_validate_switch(ctx=ctx, request=request, target=target)
+        return [problem for batch in reversed(results) if batch for problem in batch]
 
     def execute(self, ctx: RequestContext, request: Any, model: ServedModel) -> Execution | None:
         result: Execution | None = self._pm.hook.millm_execute(ctx=ctx, request=request, model=model)

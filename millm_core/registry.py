@@ -5,15 +5,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .engine import Engine, ModelInfo
+from .engine import Engine, ModelInfo, ModelLocation
 
 
 @dataclass
 class ServedModel:
-    """A loaded model and the engine serving it."""
+    """A loaded model and the engine serving it; ``location`` is where its files are,
+    when the server loaded it (what unloading it gives back is estimated from them)."""
 
     info: ModelInfo
     engine: Engine
+    location: ModelLocation | None = None
 
     @property
     def capabilities(self) -> frozenset[str]:
@@ -41,3 +43,15 @@ class ModelRegistry:
 
     def __len__(self) -> int:
         return len(self._models)
+
+
+@dataclass(frozen=True)
+class SwitchTarget:
+    """A model a request names that is not loaded, before the switch to it: ``name`` (its
+    served name once loaded), the ``engine`` that would load it and that engine's declared
+    ``capabilities``, and the loaded models the switch would unload (``residents``)."""
+
+    name: str
+    engine: str
+    capabilities: frozenset[str]
+    residents: tuple[str, ...]

@@ -8,15 +8,21 @@ import msgspec
 
 
 class MillmModelDetails(msgspec.Struct, kw_only=True):
-    """millm's own description of a served model. Unknown values are ``"unrecorded"``."""
+    """millm's own description of a model. ``state``: ``loaded`` (it answers now),
+    ``loading``, ``unloading``, or ``available`` (not loaded: a request naming it loads it,
+    unless ``--auto-load false``). The other values describe a loaded model; a model that
+    is not loaded has only ``engine`` (the engine that would load it, when known without
+    loading) and ``null`` for the rest. Unknown values of a loaded model are
+    ``"unrecorded"``."""
 
-    engine: str
-    context_length: int
-    d_model: int
-    n_layers: int
-    dtype: str
-    revision: str
-    quantization: str
+    state: Literal["loaded", "loading", "unloading", "available"] = "loaded"
+    engine: str | None
+    context_length: int | None
+    d_model: int | None
+    n_layers: int | None
+    dtype: str | None
+    revision: str | None
+    quantization: str | None
 
 
 class ModelCard(msgspec.Struct, kw_only=True):

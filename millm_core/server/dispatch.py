@@ -29,8 +29,8 @@ from ..context import AppContext, Endpoint, StashKey
 from ..errors import MillmError
 from .errors import error_body, internal_error
 from .middleware import mint_request_id
-from .routes.common import CLIENT_CLOSED, app_state, check_loaded, decode_body, joined_headers, respond_to, until_disconnect
-from .state import AppState
+from .routes.common import CLIENT_CLOSED, check_loaded, decode_body, joined_headers, respond_to, until_disconnect
+from .state import AppState, app_state
 
 log = structlog.get_logger("millm.dispatch")
 
@@ -298,7 +298,8 @@ async def dispatch(
 
     with structlog.contextvars.bound_contextvars(request_id=rid):
         try:
-            check_loaded(state)
+            if not state.settings.auto_load or state.loading:
+                check_loaded(state)
             raw = decode_json(body) if isinstance(body, bytes) else msgspec.to_builtins(body) if isinstance(body, msgspec.Struct) else dict(body)
             admission = decode_body(state, endpoint, raw, request_id=rid, headers=seen, access_log=access_log)
             ignored = admission.ctx.ignored_fields

@@ -127,15 +127,19 @@ class Admission:
     refused_known: list[str]
 
 
-def check_field_policy(state: AppState, ctx: RequestContext, request: msgspec.Struct, model: ServedModel, known: list[str]) -> None:
+def check_field_policy(
+    state: AppState, ctx: RequestContext, request: msgspec.Struct, capabilities: frozenset[str], engine: str, known: list[str]
+) -> None:
     """Refuse, naming them and why, the non-neutral fields nothing honours for this
-    endpoint and engine, and the known output-changing fields nothing enabled declares."""
-    refused = state.policy.refusals(request, ctx.endpoint, model.capabilities, STRUCTURAL_FIELDS) + known
+    endpoint on an engine with ``capabilities`` (the loaded model's, or those an engine
+    declares for a model not loaded yet), and the known output-changing fields nothing
+    enabled declares."""
+    refused = state.policy.refusals(request, ctx.endpoint, capabilities, STRUCTURAL_FIELDS) + known
     if not refused:
         return
-    reasons = [f"{name} ({state.policy.why_refused(name, ctx.endpoint, model.info.engine)})" for name in refused]
+    reasons = [f"{name} ({state.policy.why_refused(name, ctx.endpoint, engine)})" for name in refused]
     raise FieldNotHonoured(
-        f"not honoured by this server for {ctx.endpoint} on the {model.info.engine} engine: {'; '.join(reasons)}; the request was not run",
+        f"not honoured by this server for {ctx.endpoint} on the {engine} engine: {'; '.join(reasons)}; the request was not run",
         param=refused[0],
     )
 
@@ -152,7 +156,7 @@ def admit(admission: Admission) -> ServedModel:
     ctx.model = model
     # What this engine cannot do is refused first, naming the field, before any plugin
     # checks how the field is used.
-    check_field_policy(state, ctx, request, model, admission.refused_known)
+    check_field_policy(state, ctx, request, model.capabilities, model.info.engine, admission.refused_known)
     problems = state.host.validate(ctx, request)
     if problems:
         raise problems_error(problems)

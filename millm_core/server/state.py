@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -52,3 +53,9 @@ class AppState:
     @property
     def models(self) -> ModelRegistry:
         return self.app.models
+
+
+def app_state(request: Any) -> AppState:
+    """The server's state, from a starlette request (``request.app.state.millm``)."""
+    state: AppState = request.app.state.millm
+    return state

@@ -15,7 +15,8 @@ from starlette.types import Receive, Scope, Send
 
 from ..codec import convert, decode_json, encode
 from ..context import AppContext
-from .routes.common import app_state, read_body
+from .routes.common import read_body
+from .state import app_state
 
 T = TypeVar("T")
 

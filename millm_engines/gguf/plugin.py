@@ -11,6 +11,7 @@ from typing import Any
 from millm_core.api import (
     Capability,
     EngineFactory,
+    LoadPlan,
     ModelLocation,
     ModelRegistry,
     ModelSource,
@@ -18,6 +19,7 @@ from millm_core.api import (
     ServedModel,
     Settings,
     hookimpl,
+    host_available_bytes,
     parse_bool,
 )
 
@@ -46,9 +48,14 @@ def _load(location: ModelLocation, settings: Settings) -> object:
     return load_engine(location, settings)
 
 
+def _preflight(location: ModelLocation, settings: Settings) -> LoadPlan:
+    """llama.cpp maps the file: the weights take its size in memory."""
+    return LoadPlan(need={"cpu": os.path.getsize(location.path)}, free={"cpu": host_available_bytes()})
+
+
 @hookimpl
 def millm_register_engines(register: Callable[[EngineFactory], None]) -> None:
-    register(EngineFactory(name=NAME, capabilities=CAPABILITIES, can_load=_can_load, load=_load))
+    register(EngineFactory(name=NAME, capabilities=CAPABILITIES, can_load=_can_load, load=_load, preflight=_preflight))
 
 
 EMBEDDINGS = PluginSetting(

@@ -19,6 +19,7 @@ from millm_core.api import ConfigError, ModelInfo, ModelLocation, Settings, oper
 from .engine import TransformersEngine
 from .fastpath import LlamaDecoder, unsupported_reason
 from .prefix import PrefixCache
+from .preflight import check_quantization, chosen_dtype
 from .settings import FAST_DECODE, PREFIX_CACHE_MB
 
 log = structlog.get_logger("millm.engine.transformers")
@@ -31,12 +32,7 @@ def is_checkpoint_dir(location: ModelLocation) -> bool:
 
 
 def _choose_dtype(setting: str, config: object) -> torch.dtype:
-    if setting != "auto":
-        return _DTYPES[setting]
-    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(declared, str):
-        declared = _DTYPES.get(declared)
-    return declared if isinstance(declared, torch.dtype) and declared in _DTYPES.values() else torch.float32
+    return _DTYPES[chosen_dtype(setting, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))]
 
 
 def _eos_ids(tokenizer: object, path: str) -> frozenset[int]:
@@ -71,6 +67,7 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
         torch.set_num_threads(settings.threads)
     path = location.path
     config = AutoConfig.from_pretrained(path)
+    check_quantization(location.served_name, getattr(config, "quantization_config", None))
     dtype = _choose_dtype(settings.dtype, config)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()

@@ -4,11 +4,12 @@ server mid-step."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 
 import torch
 from transformers import PretrainedConfig
+
+from millm_core.api import host_available_bytes
 
 # Headroom the estimate keeps free for everything else (the allocator, other requests'
 # growth, Python objects).
@@ -23,14 +24,7 @@ def available_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    return host_available_bytes()
 
 
 def rows_bytes(config: PretrainedConfig, dtype: torch.dtype, prompt_lengths: Sequence[int], max_new_tokens: int) -> int:

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from millm_core.api import Capability, EngineFactory, ModelLocation, PluginSetting, Settings, hookimpl
+from millm_core.api import Capability, EngineFactory, LoadPlan, ModelLocation, PluginSetting, Settings, hookimpl
 
 from .settings import FAST_DECODE, PREFIX_CACHE_MB
 
@@ -46,9 +46,15 @@ def _load(location: ModelLocation, settings: Settings) -> object:
     return load_engine(location, settings)
 
 
+def _preflight(location: ModelLocation, settings: Settings) -> LoadPlan:
+    from .preflight import preflight
+
+    return preflight(location, settings)
+
+
 @hookimpl
 def millm_register_engines(register: Callable[[EngineFactory], None]) -> None:
-    register(EngineFactory(name="transformers", capabilities=CAPABILITIES, can_load=_can_load, load=_load))
+    register(EngineFactory(name="transformers", capabilities=CAPABILITIES, can_load=_can_load, load=_load, preflight=_preflight))
 
 
 @hookimpl

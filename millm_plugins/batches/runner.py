@@ -196,6 +196,10 @@ class Runner:
     # ------------------------------------------------------------------ running
 
     async def _until_model(self, stopping: Callable[[], bool]) -> None:
+        """Wait for a model to be loaded; with ``--auto-load`` a line loads the model it
+        names itself (a line naming none that can be loaded then waits on its 503)."""
+        if self.app.settings.auto_load:
+            return
         while not len(self.app.models) and not stopping():
             await asyncio.sleep(0.5)
 

@@ -69,6 +69,16 @@ def millm_resolve(ctx: RequestContext, request: Any, models: ModelRegistry) -> S
     return model
 
 
+@hookimpl
+def millm_requested_model(ctx: RequestContext, request: Any) -> str | None:
+    """``<model>@agent`` asks for ``<model>`` (loaded for it when it is not loaded)."""
+    name = getattr(request, "model", None)
+    if ctx.endpoint == "embeddings" or not isinstance(name, str):
+        return None
+    base, lane = _split(name)
+    return base if lane is not None else None
+
+
 def _lane(ctx: RequestContext, request: Any) -> str:
     asked = CLASS.get(request)
     suffixed = ctx.stash[SUFFIXED] if SUFFIXED in ctx.stash else None

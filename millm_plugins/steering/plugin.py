@@ -34,6 +34,7 @@ from millm_core.api import (
     RequestField,
     ServedModel,
     StashKey,
+    SwitchTarget,
     hookimpl,
 )
 
@@ -127,6 +128,27 @@ def millm_register_commands(register: Callable[[Command], None]) -> None:
 def millm_register_routes(register: Callable[..., None]) -> None:
     for path, handler, methods, doc in (*api.ROUTES, *api_profiles.ROUTES):
         register(path, handler, methods, doc=doc)
+
+
+@hookimpl
+def millm_validate_switch(ctx: RequestContext, request: Any, target: SwitchTarget) -> list[Problem]:
+    """An SAE attaches to the resident model only: steering (a non-empty feature set, or a
+    profile) for a model that is not loaded is refused before the switch would load it."""
+    if ctx.endpoint == "embeddings":
+        return []
+    steering = STEERING.get(request)
+    profile = PROFILE.get(request)
+    asked = "steering" if steering is not None and steering.features else "profile" if profile is not None else None
+    if asked is None:
+        return []
+    return [
+        Problem(
+            f"{asked} needs an SAE attached to '{target.name}', which is not loaded: an SAE attaches to the resident model "
+            f"only. Load it first (POST /api/models/{target.name}/load), attach the SAE, then steer; nothing was unloaded",
+            param=asked,
+            code="sae_not_attached",
+        )
+    ]
 
 
 @hookimpl

@@ -362,6 +362,13 @@ class SteeringState:
         Quick: no I/O."""
         self.model = served
         self.live = self._derived(self.live)
+        if served is not None and self.live.attachments:  # say which attachments the new resident takes
+            log.info(
+                "steering_attachments_checked",
+                model=served.info.served_name,
+                usable=[f"{s}@{layer}" for s, layer in self.live.attachments if (s, layer) not in self.live.unusable],
+                unusable={f"{s}@{layer}": u.reason for (s, layer), u in self.live.unusable.items()},
+            )
 
     def start_watching(self) -> None:
         """Start :meth:`watch` on the running event loop (a database file only: nothing

@@ -107,7 +107,8 @@ def test_a_batch_waits_for_its_model_through_an_unload_and_load(
 ) -> None:
     monkeypatch.setattr(runner_module, "RETRIES_503", 0)  # a 503 that spent a retry would fail the line at once
     hold = Hold()
-    with roots_server(tiny_dir, tmp_path, hold, batch_concurrency=1) as srv, ThreadPoolExecutor(1) as pool:
+    # Without --auto-load (with it, the next line would load the model again itself: below).
+    with roots_server(tiny_dir, tmp_path, hold, batch_concurrency=1, auto_load=False) as srv, ThreadPoolExecutor(1) as pool:
         assert api(srv, "/api/models/tiny/load").status_code == 200
         client = sdk(srv.base_url)
         hold.armed = True
@@ -131,9 +132,19 @@ def test_a_batch_waits_for_its_model_through_an_unload_and_load(
     assert (done.request_counts.completed, done.request_counts.failed) == (5, 0)
 
 
+def test_a_batch_line_loads_the_model_it_names(tiny_dir: str, tmp_path: pathlib.Path) -> None:
+    with roots_server(tiny_dir, tmp_path) as srv:  # no model loaded; tiny is loadable
+        client = sdk(srv.base_url)
+        lines = [line(f"r{i}", {"model": "tiny", "prompt": f"Item {i}:", "max_tokens": 2, "temperature": 0}, COMPLETIONS) for i in range(3)]
+        done = wait(client, submit(client, jsonl(lines), endpoint=COMPLETIONS).id, timeout=120)
+        assert _state_of(srv, "tiny") == "loaded"
+    assert done.status == "completed" and done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (3, 0)
+
+
 def test_a_batch_whose_input_file_is_gone_fails(tiny_dir: str, tmp_path: pathlib.Path) -> None:
     folder = tmp_path / "data"
-    with roots_server(tiny_dir, tmp_path, batch_data_dir=str(folder)) as srv:
+    with roots_server(tiny_dir, tmp_path, batch_data_dir=str(folder), auto_load=False) as srv:
         client = sdk(srv.base_url)
         batch = submit(client, jsonl([line("a", {"model": "tiny", "prompt": "x", "max_tokens": 1}, COMPLETIONS)]), endpoint=COMPLETIONS)
         wait(client, batch.id, until={"in_progress"})  # no model loaded: it waits for one

@@ -4,8 +4,6 @@ is told ``model_busy``), the ``millm_model_unloaded`` hook, load failures, and t
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -14,61 +12,11 @@ from typing import Any
 import httpx
 import pytest
 
-from millm_core.api import AppContext, ForwardPlan, RequestContext, ServedModel, hookimpl
-from millm_core.config import load_settings
-from millm_core.server.app import build_host, create_app
+from millm_core.api import AppContext, ServedModel, hookimpl
 from millm_core.testing import RunningServer
 from millm_plugins.steering.api import state_of as steering_state
 
-CHAT = {"messages": [{"role": "user", "content": "hi"}]}
-
-
-class Held:
-    """A row that never draws EOS and, while its gate is closed, waits at its first token
-    (on the model thread: the request stays running until the test opens the gate);
-    ``pause`` seconds at every token."""
-
-    def __init__(self, gate: Gate, eos: frozenset[int]) -> None:
-        self.gate, self.eos = gate, eos
-
-    def logit_bias(self) -> dict[int, float]:
-        return {token: -100.0 for token in self.eos}
-
-    def on_token(self, token_id: int, text: str) -> tuple[str, bool]:
-        self.gate.entered.set()
-        self.gate.opened.wait(30)
-        time.sleep(self.gate.pause)
-        return text, False
-
-    def flush(self) -> str:
-        return ""
-
-
-class Gate:
-    """Holds requests sent with ``X-Gate: 1``; records the lifecycle hooks it sees."""
-
-    def __init__(self, pause: float = 0.0) -> None:
-        self.entered = threading.Event()
-        self.opened = threading.Event()
-        self.pause = pause
-        self.events: list[str] = []
-
-    @hookimpl
-    def millm_pre_forward(self, ctx: RequestContext, request: Any, plan: ForwardPlan) -> None:
-        if ctx.headers.get("x-gate") == "1" and ctx.model is not None:
-            eos = frozenset(ctx.model.engine.eos_token_ids)
-            plan.add_processor(lambda _row: self._row(eos))
-
-    def _row(self, eos: frozenset[int]) -> Held:
-        return Held(self, eos)
-
-    @hookimpl
-    def millm_model_loaded(self, app: AppContext, model: ServedModel) -> None:
-        self.events.append(f"loaded:{model.info.served_name}:{len(app.models)}")
-
-    @hookimpl
-    def millm_model_unloaded(self, app: AppContext, model: ServedModel) -> None:
-        self.events.append(f"unloaded:{model.info.served_name}:{len(app.models)}")
+from .lifecycle_kit import CHAT, Gate, entries, make_roots, post, serve_roots, wait_for_state
 
 
 class FailingUnloaded:
@@ -79,28 +27,7 @@ class FailingUnloaded:
 
 @pytest.fixture
 def roots(tmp_path: Any, tiny_dir: str, tiny_dir_no_template: str) -> str:
-    """A model root with the tiny model under two names, one without a chat template, a
-    GGUF-looking file nothing can read and a broken checkpoint."""
-    os.symlink(tiny_dir, tmp_path / "tiny")
-    os.symlink(tiny_dir, tmp_path / "tiny-b")
-    os.symlink(tiny_dir_no_template, tmp_path / "tiny-no-template")
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
-    (tmp_path / "notes.txt").write_text("not a model")
-    return str(tmp_path)
-
-
-def _server(roots: str, *plugins: object, **overrides: Any) -> RunningServer:
-    host = build_host(load_settings(environ={}))
-    for index, plugin in enumerate(plugins):
-        host.register(plugin, f"test-lifecycle-{index}")
-    settings = load_settings(
-        {"log_level": "critical", "db": ":memory:", "model_roots": (roots,), **overrides},
-        environ={},
-        plugin_settings=host.plugin_settings(),
-    )
-    return RunningServer(create_app(settings, host=host))
+    return make_roots(tmp_path, tiny_dir, tiny_dir_no_template)
 
 
 @pytest.fixture
@@ -110,23 +37,13 @@ def gate() -> Gate:
 
 @pytest.fixture
 def srv(roots: str, gate: Gate) -> Iterator[RunningServer]:
-    with _server(roots, FailingUnloaded(), gate) as server:
+    with serve_roots(roots, FailingUnloaded(), gate) as server:
         yield server
 
 
-def _post(srv: RunningServer, path: str, body: dict[str, Any] | None = None, **kw: Any) -> httpx.Response:
-    return httpx.post(srv.base_url + path, json=body if body is not None else {}, timeout=60, **kw)
-
-
-def _entries(srv: RunningServer) -> dict[str, dict[str, Any]]:
-    listed = httpx.get(srv.base_url + "/api/models", timeout=60).json()  # the first look may import an engine library
-    assert listed["object"] == "list"
-    return {entry["id"]: entry for entry in listed["data"]}
-
-
 def test_the_catalogue_lists_what_the_roots_and_plugins_offer(srv: RunningServer) -> None:
-    entries = _entries(srv)
-    assert entries["tiny"] == {
+    listed_entries = entries(srv)
+    assert listed_entries["tiny"] == {
         "id": "tiny",
         "object": "model",
         "engine": "transformers",
@@ -134,19 +51,26 @@ def test_the_catalogue_lists_what_the_roots_and_plugins_offer(srv: RunningServer
         "locked": False,
         "source": "directory",
     }
-    assert entries["tiny-no-template"]["state"] == "available"
-    assert "notes.txt" not in entries
+    assert listed_entries["tiny-no-template"]["state"] == "available"
+    assert "notes.txt" not in listed_entries
     # A model-source plugin's models are listed without being materialised (no engine known yet).
-    assert all(e["engine"] is None for e in entries.values() if e["source"] == "plugin")
-    assert httpx.get(srv.base_url + "/v1/models").json()["data"] == []
+    assert all(e["engine"] is None for e in listed_entries.values() if e["source"] == "plugin")
+    # OpenAI clients see every model a request may name (a request loads it), by its state.
+    listed = httpx.get(srv.base_url + "/v1/models").json()["data"]
+    assert [m["id"] for m in listed] == list(listed_entries)
+    assert {m["millm"]["state"] for m in listed} == {"available"}
+    assert next(m for m in listed if m["id"] == "tiny")["millm"]["engine"] == "transformers"
+    assert httpx.get(srv.base_url + "/v1/models/tiny-b").json()["millm"]["state"] == "available"
 
 
 def test_load_serve_unload_with_a_request_in_flight(srv: RunningServer, gate: Gate) -> None:
-    loaded = _post(srv, "/api/models/tiny/load")
+    loaded = post(srv, "/api/models/tiny/load")
     assert loaded.status_code == 200, loaded.text
     assert loaded.json()["state"] == "loaded" and loaded.json()["engine"] == "transformers"
-    assert _post(srv, "/api/models/tiny/load").json()["state"] == "loaded"  # loading a loaded model changes nothing
-    assert [m["id"] for m in httpx.get(srv.base_url + "/v1/models").json()["data"]] == ["tiny"]
+    assert post(srv, "/api/models/tiny/load").json()["state"] == "loaded"  # loading a loaded model changes nothing
+    listed = httpx.get(srv.base_url + "/v1/models").json()["data"]
+    assert listed[0]["id"] == "tiny" and listed[0]["millm"]["state"] == "loaded" and listed[0]["millm"]["d_model"] == 64
+    assert all(m["millm"]["state"] == "available" for m in listed[1:])
     assert httpx.get(srv.base_url + "/api/health/ready").status_code == 200
     assert gate.events == ["loaded:tiny:0"]  # the hook ran before the model joined app.models
     context = srv.app.state.millm.app  # type: ignore[attr-defined]
@@ -154,20 +78,17 @@ def test_load_serve_unload_with_a_request_in_flight(srv: RunningServer, gate: Ga
     assert steering is not None and steering.info.served_name == "tiny"
 
     with ThreadPoolExecutor(2) as pool:
-        running = pool.submit(_post, srv, "/v1/chat/completions", {"model": "tiny", **CHAT, "max_tokens": 4}, headers={"X-Gate": "1"})
+        running = pool.submit(post, srv, "/v1/chat/completions", {"model": "tiny", **CHAT, "max_tokens": 4}, headers={"X-Gate": "1"})
         assert gate.entered.wait(30)  # the request is on the model thread
-        unloading = pool.submit(_post, srv, "/api/models/tiny/unload")
-        for _ in range(500):
-            if _entries(srv)["tiny"]["state"] == "unloading":
-                break
-            time.sleep(0.01)
-        assert _entries(srv)["tiny"]["state"] == "unloading"
-        busy = _post(srv, "/v1/chat/completions", {"model": "tiny", **CHAT, "max_tokens": 1})
+        unloading = pool.submit(post, srv, "/api/models/tiny/unload")
+        wait_for_state(srv, "tiny", "unloading")
+        assert entries(srv)["tiny"]["state"] == "unloading"
+        busy = post(srv, "/v1/chat/completions", {"model": "tiny", **CHAT, "max_tokens": 1})
         assert busy.status_code == 503 and busy.json()["error"]["code"] == "model_busy"
         assert int(busy.headers["retry-after"]) >= 1
-        streamed = _post(srv, "/v1/chat/completions", {"model": "tiny", **CHAT, "max_tokens": 1, "stream": True})
+        streamed = post(srv, "/v1/chat/completions", {"model": "tiny", **CHAT, "max_tokens": 1, "stream": True})
         assert streamed.status_code == 503 and streamed.json()["error"]["code"] == "model_busy"  # before any stream starts
-        again = _post(srv, "/api/models/tiny-b/load")
+        again = post(srv, "/api/models/tiny-b/load")
         assert again.status_code == 503 and again.json()["error"]["code"] == "model_busy"
         assert not unloading.done()  # waits for the running request
         gate.opened.set()
@@ -178,10 +99,8 @@ def test_load_serve_unload_with_a_request_in_flight(srv: RunningServer, gate: Ga
     assert unloaded.status_code == 200 and unloaded.json()["state"] == "available"
     assert gate.events == ["loaded:tiny:0", "unloaded:tiny:0"]  # despite the plugin that raised
     assert steering_state(context).model is None  # steering's model-tied state went with it
-    assert httpx.get(srv.base_url + "/v1/models").json()["data"] == []
-    gone = _post(srv, "/v1/chat/completions", {"model": "tiny", **CHAT, "max_tokens": 1})
-    assert gone.status_code == 503 and gone.json()["error"]["code"] == "model_not_loaded"
-    missing = _post(srv, "/api/models/tiny/unload")
+    assert {m["millm"]["state"] for m in httpx.get(srv.base_url + "/v1/models").json()["data"]} == {"available"}
+    missing = post(srv, "/api/models/tiny/unload")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
@@ -201,7 +120,7 @@ def _stream(srv: RunningServer, body: dict[str, Any], frames: int | None = None)
 
 
 def test_streams_hold_an_unload_until_they_end_or_their_client_leaves(srv: RunningServer, gate: Gate) -> None:
-    assert _post(srv, "/api/models/tiny/load").status_code == 200
+    assert post(srv, "/api/models/tiny/load").status_code == 200
     # A client that left after the first frame does not hold the unload back.
     gate.opened.set()
     gate.pause = 0.05  # still generating when its client leaves
@@ -218,12 +137,9 @@ def test_streams_hold_an_unload_until_they_end_or_their_client_leaves(srv: Runni
     with ThreadPoolExecutor(2) as pool:
         streaming = pool.submit(_stream, srv, {"model": "tiny", **CHAT, "max_tokens": 3})
         assert gate.entered.wait(30)
-        unloading = pool.submit(_post, srv, "/api/models/tiny/unload")
-        for _ in range(500):
-            if _entries(srv)["tiny"]["state"] == "unloading":
-                break
-            time.sleep(0.01)
-        busy = _post(srv, "/v1/chat/completions", {"model": "tiny", **CHAT, "max_tokens": 1, "stream": True})
+        unloading = pool.submit(post, srv, "/api/models/tiny/unload")
+        wait_for_state(srv, "tiny", "unloading")
+        busy = post(srv, "/v1/chat/completions", {"model": "tiny", **CHAT, "max_tokens": 1, "stream": True})
         assert busy.status_code == 503 and busy.json()["error"]["code"] == "model_busy"
         time.sleep(0.2)
         assert not unloading.done()
@@ -236,13 +152,13 @@ def test_streams_hold_an_unload_until_they_end_or_their_client_leaves(srv: Runni
 def test_an_unload_cancels_what_outlasts_its_grace(roots: str) -> None:
     gate = Gate(pause=0.02)
     gate.opened.set()
-    with _server(roots, gate, graceful_unload_timeout=0.3) as srv:
-        assert _post(srv, "/api/models/tiny/load").status_code == 200
+    with serve_roots(roots, gate, graceful_unload_timeout=0.3) as srv:
+        assert post(srv, "/api/models/tiny/load").status_code == 200
         with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(_post, srv, "/v1/chat/completions", {"model": "tiny", **CHAT, "max_tokens": 400}, headers={"X-Gate": "1"})
+            running = pool.submit(post, srv, "/v1/chat/completions", {"model": "tiny", **CHAT, "max_tokens": 400}, headers={"X-Gate": "1"})
             assert gate.entered.wait(30)
             started = time.monotonic()
-            unloaded = _post(srv, "/api/models/tiny/unload")
+            unloaded = post(srv, "/api/models/tiny/unload")
             took = time.monotonic() - started
             cut = running.result(60)
     assert unloaded.status_code == 200 and 0.3 <= took < 5
@@ -251,29 +167,29 @@ def test_an_unload_cancels_what_outlasts_its_grace(roots: str) -> None:
 
 
 def test_load_failures_are_typed_and_leak_no_path(srv: RunningServer, roots: str) -> None:
-    unknown = _post(srv, "/api/models/no-such-model/load")
+    unknown = post(srv, "/api/models/no-such-model/load")
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
-    broken = _post(srv, "/api/models/broken/load")
+    broken = post(srv, "/api/models/broken/load")
     assert broken.status_code == 500 and broken.json()["error"]["code"] == "model_load_failed"
     assert roots not in broken.text and "broken" in broken.json()["error"]["message"]
-    assert _entries(srv)["broken"]["state"] == "available"
+    assert entries(srv)["broken"]["state"] == "available"
     plain = httpx.post(srv.base_url + "/api/models/tiny/load", content=b"{}")
     assert plain.status_code == 415  # a write to /api needs a JSON content type
 
 
 def test_a_lock_serves_and_lists_one_model(srv: RunningServer) -> None:
     for name in ("tiny", "tiny-no-template"):
-        assert _post(srv, f"/api/models/{name}/load").status_code == 200
-    locked = _post(srv, "/api/models/tiny/lock")
+        assert post(srv, f"/api/models/{name}/load").status_code == 200
+    locked = post(srv, "/api/models/tiny/lock")
     assert locked.status_code == 200 and locked.json()["locked"] is True
     assert [m["id"] for m in httpx.get(srv.base_url + "/v1/models").json()["data"]] == ["tiny"]
-    assert _entries(srv)["tiny"]["locked"] is True and _entries(srv)["tiny-no-template"]["locked"] is False
-    other = _post(srv, "/v1/completions", {"model": "tiny-no-template", "prompt": "x", "max_tokens": 1})
+    assert entries(srv)["tiny"]["locked"] is True and entries(srv)["tiny-no-template"]["locked"] is False
+    other = post(srv, "/v1/completions", {"model": "tiny-no-template", "prompt": "x", "max_tokens": 1})
     assert other.status_code == 409 and other.json()["error"]["code"] == "model_locked"
-    assert _post(srv, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1}).status_code == 200
+    assert post(srv, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1}).status_code == 200
     for path in ("/api/models/tiny-b/load", "/api/models/tiny/unload", "/api/models/tiny-no-template/lock"):
-        refused = _post(srv, path)
+        refused = post(srv, path)
         assert refused.status_code == 409 and refused.json()["error"]["code"] == "model_locked", path
-    assert _post(srv, "/api/models/tiny/unlock").json()["locked"] is False
-    assert [m["id"] for m in httpx.get(srv.base_url + "/v1/models").json()["data"]] == ["tiny", "tiny-no-template"]
-    assert _post(srv, "/v1/completions", {"model": "tiny-no-template", "prompt": "x", "max_tokens": 1}).status_code == 200
+    assert post(srv, "/api/models/tiny/unlock").json()["locked"] is False
+    assert [m["id"] for m in httpx.get(srv.base_url + "/v1/models").json()["data"]][:2] == ["tiny", "tiny-no-template"]
+    assert post(srv, "/v1/completions", {"model": "tiny-no-template", "prompt": "x", "max_tokens": 1}).status_code == 200

@@ -16,12 +16,15 @@ from millm_core.testing import RunningServer
 
 
 def test_models_list_and_retrieve(client, tiny_engine) -> None:  # type: ignore[no-untyped-def]
-    ids = [m.id for m in client.models.list().data]
-    assert ids == ["tiny", "tiny-no-template"]
+    listed = client.models.list().data
+    # The loaded models first; then what a request would load (the packaged default model here).
+    assert [m.id for m in listed][:2] == ["tiny", "tiny-no-template"]
+    assert {m.model_extra["millm"]["state"] for m in listed[2:]} <= {"available"}
     model = client.models.retrieve("tiny")
     details = model.model_extra["millm"]
     config = tiny_engine.model.config
     assert details == {
+        "state": "loaded",
         "engine": "transformers",
         "context_length": config.max_position_embeddings,
         "d_model": config.hidden_size,

@@ -24,7 +24,8 @@ from ...unknown import unknown_fields
 from ..middleware import mint_request_id
 from ..pipeline import Admission, admit, prepare_generation, refuse_unused_if_strict
 from ..respond import complete, reply, stream
-from ..state import AppState
+from ..state import AppState, app_state
+from ..switch import ensure_requested_model
 from .chat import SHAPES as CHAT_SHAPES
 from .completions import SHAPES as COMPLETION_SHAPES
 
@@ -34,11 +35,6 @@ log = structlog.get_logger("millm.request")
 # the event loop answers meanwhile).
 RENDER_TIMEOUT_S = 10.0
 CLIENT_CLOSED = 499
-
-
-def app_state(request: Request) -> AppState:
-    state: AppState = request.app.state.millm
-    return state
 
 
 async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
@@ -103,7 +99,8 @@ def decode_body(
 async def decode_request(request: Request, endpoint: Endpoint) -> Admission:
     """The HTTP request's body, read (size- and time-limited) and decoded (:func:`decode_body`)."""
     state = app_state(request)
-    check_loaded(state)
+    if not state.settings.auto_load or state.loading:
+        check_loaded(state)  # else a request may name a model to load (respond_to checks again)
     raw = decode_json(await read_body(request, state.settings.max_body_bytes, state.settings.read_timeout))
     return decode_body(
         state,
@@ -160,6 +157,8 @@ async def respond_to(
     a disconnect itself. ``reported``, ``rename`` and ``unreported``: see :func:`_report_unused`."""
     state, ctx, body = admission.state, admission.ctx, admission.request
     endpoint = ctx.endpoint
+    await ensure_requested_model(admission)  # a loadable model the request names is loaded first
+    check_loaded(state)
     model = admit(admission)
     # Counted on its model until it ends (an unload waits for it); refused first while the model unloads or another is locked.
     with state.lifecycle.admitted(model) as hold:

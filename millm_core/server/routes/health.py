@@ -10,7 +10,7 @@ from ...codec import encode
 from ...engine import backend_of
 from ...errors import ModelNotLoaded, ServiceUnavailable
 from ...fields import policy_table
-from .common import app_state
+from ..state import app_state
 
 
 async def health(request: Request) -> Response:

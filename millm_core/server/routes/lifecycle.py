@@ -12,22 +12,24 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TypeVar
 
 import structlog
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ...codec import encode
-from ...engine import Engine
+from ...engine import Engine, EngineFactory, LoadPlan, ModelLocation
 from ...errors import ConfigError, MillmError, ModelLoadFailed, ModelLocked, ModelNotFound, OutOfMemory
 from ...lifecycle import Candidate, ModelCatalog, ModelEntry, candidates, engine_for, marked
 from ...loading import choose_engine
 from ...openapi import RouteDoc
 from ...registry import ServedModel
-from ..state import AppState
-from .common import app_state
+from ..state import AppState, app_state
 
 log = structlog.get_logger("millm.lifecycle")
+T = TypeVar("T")
 
 # Cancelled requests leave the model within a decode step; this long at most is waited for them.
 CANCEL_GRACE_S = 5.0
@@ -83,13 +85,64 @@ def _weights_mib(path: str) -> float:
     return total / 2**20
 
 
-def _load_on_model_thread(state: AppState, candidate: Candidate) -> ServedModel:
-    """Locate and load ``candidate`` (on the model thread), typed errors out."""
+def _mib(count: int) -> str:
+    return f"{count / 2**20:.0f} MiB"
+
+
+def check_memory(name: str, plan: LoadPlan, released: Mapping[str, int], residents: Sequence[str]) -> None:
+    """Refuse (``503 insufficient_memory``, with the figures for each device) a load whose
+    weights need more than is free plus what unloading ``residents`` gives back."""
+    short = [device for device, need in plan.need.items() if need > plan.free.get(device, 0) + released.get(device, 0)]
+    if not short:
+        return
+    figures = []
+    for device in short:
+        back = released.get(device, 0)
+        beside = f" and unloading {', '.join(repr(r) for r in residents)} gives back about {_mib(back)}" if back else ""
+        figures.append(f"{_mib(plan.need[device])} needed on {device}, {_mib(plan.free.get(device, 0))} free{beside}")
+    raise OutOfMemory(f"'{name}' does not fit in memory: {'; '.join(figures)}; nothing was unloaded", param="model")
+
+
+def _released(state: AppState, residents: Sequence[ServedModel]) -> dict[str, int]:
+    """What unloading ``residents`` would give back per device, estimated like a load
+    (from their files); a model loaded without a known location counts for nothing."""
+    back: dict[str, int] = {}
+    for model in residents:
+        if model.location is None:
+            continue
+        try:
+            factory = choose_engine(model.location, state.settings, state.host)
+            if factory.preflight is None:
+                continue
+            plan = factory.preflight(model.location, state.settings)
+        except (ConfigError, MillmError, OSError):
+            continue
+        for device, need in plan.need.items():
+            back[device] = back.get(device, 0) + need
+    return back
+
+
+def locate_engine(state: AppState, candidate: Candidate) -> tuple[ModelLocation, EngineFactory]:
+    """Where ``candidate``'s files are and the engine that would load them. On the model
+    thread (locating may convert files once)."""
     location = candidate.locate()
     try:
-        factory = choose_engine(location, state.settings, state.host)
+        return location, choose_engine(location, state.settings, state.host)
     except ConfigError as exc:
         raise ModelLoadFailed(f"'{candidate.id}' cannot be loaded: no installed engine serves it") from exc
+
+
+def check_loadable(state: AppState, name: str, location: ModelLocation, factory: EngineFactory, residents: Sequence[ServedModel] = ()) -> None:
+    """Before anything is unloaded: the engine's preflight passes (a quantization it
+    cannot load is its typed refusal) and the weights fit in what is free plus what
+    unloading ``residents`` gives back. Reads files: off the event loop."""
+    if factory.preflight is not None:
+        plan = factory.preflight(location, state.settings)
+        check_memory(name, plan, _released(state, residents), [m.info.served_name for m in residents])
+
+
+def _load_on_model_thread(state: AppState, candidate: Candidate, location: ModelLocation, factory: EngineFactory) -> ServedModel:
+    """Load ``candidate`` (on the model thread), typed errors out."""
     log.info("model_loading", model=candidate.id, engine=factory.name)
     try:
         engine = factory.load(location, state.settings)
@@ -110,11 +163,40 @@ def _load_on_model_thread(state: AppState, candidate: Candidate) -> ServedModel:
         ) from exc
     if not isinstance(engine, Engine):
         raise ModelLoadFailed(f"the {factory.name} engine plugin's load() returned no Engine for '{candidate.id}'")
-    return ServedModel(info=engine.info, engine=engine)
+    return ServedModel(info=engine.info, engine=engine, location=location)
+
+
+def on_model_thread(state: AppState, fn: Callable[[], T]) -> Awaitable[T]:
+    """``fn`` on the model thread, as the start-up load; never refused as queue_full."""
+    return asyncio.wrap_future(state.scheduler.call(fn, counted=False))
+
+
+async def find_candidate(state: AppState, name: str) -> Candidate | None:
+    """The loadable model ``name`` names (directories are read off the event loop)."""
+    return (await asyncio.to_thread(candidates, state.settings, state.host)).get(name)
+
+
+async def load_planned(state: AppState, candidate: Candidate, location: ModelLocation, factory: EngineFactory) -> ServedModel:
+    """Load a planned model and serve it (the caller marks it loading): the plugins'
+    ``millm_model_loaded`` hooks run before it joins the registry."""
+    name = candidate.id
+    try:
+        model = await on_model_thread(state, lambda: _load_on_model_thread(state, candidate, location, factory))
+        state.host.model_loaded(state.app, model)
+    except MillmError as exc:
+        log.warning("model_load_failed", model=name, code=exc.code)
+        raise
+    except Exception as exc:
+        log.exception("model_load_failed", model=name)
+        raise ModelLoadFailed(f"loading '{name}' failed ({type(exc).__name__}); the server log has the details") from exc
+    state.models.add(model)
+    log.info("model_loaded", model=name, engine=model.info.engine)
+    return model
 
 
 async def load_model(state: AppState, name: str) -> ModelEntry:
-    """Load the model ``name`` names and serve it; its entry. Idempotent for a loaded model."""
+    """Load the model ``name`` names and serve it beside the loaded ones; its entry.
+    Idempotent for a loaded model."""
     lifecycle = state.lifecycle
     if state.models.get(name) is not None and name not in lifecycle.unloading:
         return _entry(state, name, None)
@@ -122,26 +204,36 @@ async def load_model(state: AppState, name: str) -> ModelEntry:
     if lifecycle.busy:
         doing = ", ".join(sorted(lifecycle.loading | lifecycle.unloading))
         raise lifecycle.busy_error(f"Another load or unload is in progress ({doing}); retry once it finishes")
-    candidate = (await asyncio.to_thread(candidates, state.settings, state.host)).get(name)
+    candidate = await find_candidate(state, name)
     if candidate is None:
         raise ModelNotFound(f"The model '{name}' is neither loaded nor loadable on this server (GET /api/models lists them)", param="model")
     if lifecycle.busy or state.models.get(name) is not None:  # another call got there while the directories were read
         raise lifecycle.busy_error(f"Another load or unload began meanwhile ({name}); retry once it finishes")
     lifecycle.check_lock(name, "loading")
     async with marked(lifecycle.loading, name):
-        try:
-            # On the model thread, as the start-up load; never refused as queue_full.
-            model = await asyncio.wrap_future(state.scheduler.call(lambda: _load_on_model_thread(state, candidate), counted=False))
-            state.host.model_loaded(state.app, model)
-        except MillmError as exc:
-            log.warning("model_load_failed", model=name, code=exc.code)
-            raise
-        except Exception as exc:
-            log.exception("model_load_failed", model=name)
-            raise ModelLoadFailed(f"loading '{name}' failed ({type(exc).__name__}); the server log has the details") from exc
-        state.models.add(model)
-    log.info("model_loaded", model=name, engine=model.info.engine)
+        location, factory = await on_model_thread(state, lambda: locate_engine(state, candidate))
+        await asyncio.to_thread(check_loadable, state, name, location, factory)
+        await load_planned(state, candidate, location, factory)
     return _entry(state, name, candidate)
+
+
+async def unload_now(state: AppState, model: ServedModel) -> None:
+    """Unload ``model``: refused to new requests from now on (503 ``model_busy``), its
+    running requests waited for up to ``--graceful-unload-timeout`` then cancelled, out
+    of the registry, the plugins' ``millm_model_unloaded`` hooks, its memory freed."""
+    lifecycle = state.lifecycle
+    name = model.info.served_name
+    async with marked(lifecycle.unloading, name):
+        timeout = state.settings.graceful_unload_timeout
+        if not await lifecycle.drain(name, timeout):
+            cancelled = state.scheduler.cancel_jobs(model.engine)
+            log.warning("unload_cancelled_requests", model=name, after_s=timeout, jobs=cancelled)
+            await lifecycle.drain(name, CANCEL_GRACE_S)
+        state.models.remove(name)
+        state.host.model_unloaded(state.app, model)
+        del model
+        await on_model_thread(state, gc.collect)  # the weights go now, not whenever the collector runs
+    log.info("model_unloaded", model=name)
 
 
 async def unload_model(state: AppState, name: str) -> ModelEntry:
@@ -154,17 +246,8 @@ async def unload_model(state: AppState, name: str) -> ModelEntry:
         raise ModelLocked(f"'{name}' is locked; unlock it first (POST /api/models/{name}/unlock)", param="model")
     if lifecycle.busy:
         raise lifecycle.busy_error("Another load or unload is in progress; retry once it finishes")
-    async with marked(lifecycle.unloading, name):
-        timeout = state.settings.graceful_unload_timeout
-        if not await lifecycle.drain(name, timeout):
-            cancelled = state.scheduler.cancel_jobs(model.engine)
-            log.warning("unload_cancelled_requests", model=name, after_s=timeout, jobs=cancelled)
-            await lifecycle.drain(name, CANCEL_GRACE_S)
-        state.models.remove(name)
-        state.host.model_unloaded(state.app, model)
-        del model
-        await asyncio.wrap_future(state.scheduler.call(gc.collect, counted=False))  # the weights go now, not whenever the collector runs
-    log.info("model_unloaded", model=name)
+    state.host.model_unloading(state.app, model)  # a plugin may keep it (409 weights_unsaved, …)
+    await unload_now(state, model)
     found, engines = await asyncio.to_thread(_scan, state)
     return _entry(state, name, found.get(name), engines.get(name))
 

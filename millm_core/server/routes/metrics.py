@@ -5,7 +5,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .common import app_state
+from ..state import app_state
 
 
 async def metrics(request: Request) -> Response:

@@ -1,0 +1,106 @@
+"""What loading a checkpoint would take, read from its files without loading it: the
+dtype it would be served in, whether its quantization can be loaded here, and the bytes
+its weights will take. The core runs this before a switch unloads the resident model.
+Importing this module does not import torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any
+
+from millm_core.api import LoadPlan, ModelLocation, Settings, UnsupportedQuantization, host_available_bytes
+
+# Bytes per element of the dtypes millm serves a checkpoint in.
+SERVED_WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
+# safetensors' floating dtypes (cast to the served dtype on load) and their widths.
+_FLOATS = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
+_OTHERS = {"I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_HEADER_LIMIT = 100 * 2**20  # safetensors' own bound on a header
+
+
+def chosen_dtype(setting: str, declared: object) -> str:
+    """The dtype a checkpoint is served in: ``--dtype`` unless ``auto``; then the dtype
+    its config declares when millm serves that dtype; else float32."""
+    if setting != "auto":
+        return setting
+    name = str(declared).removeprefix("torch.") if declared is not None else ""
+    return name if name in SERVED_WIDTH else "float32"
+
+
+def _config(path: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
+            config = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def check_quantization(name: str, quantization: object) -> None:
+    """Refuse a quantization transformers cannot load on this machine (its quantizer is
+    unknown, or its environment check fails: a missing package, no GPU), with
+    transformers' own reason."""
+    if not isinstance(quantization, dict):
+        return
+    method = quantization.get("quant_method", "unrecorded")
+    from transformers.quantizers import AutoHfQuantizer  # the engine's own library decides
+
+    try:
+        quantizer = AutoHfQuantizer.from_config(dict(quantization))
+        quantizer.validate_environment(device_map=None, dtype=None)
+    except (ImportError, ValueError, RuntimeError, TypeError, KeyError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UnsupportedQuantization(
+            f"'{name}' is quantized with {method!r}, which the transformers engine cannot load on this server: {reason}",
+            param="model",
+        ) from exc
+
+
+def _safetensors_bytes(file: str, width: int | None) -> int:
+    """The bytes ``file``'s tensors take once loaded: floating tensors at ``width`` bytes
+    an element (None: as stored), others as stored."""
+    with open(file, "rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        if length > _HEADER_LIMIT:
+            raise ValueError(f"{os.path.basename(file)}: header of {length} bytes")
+        header = json.loads(fh.read(length))
+    total = 0
+    for key, tensor in header.items():
+        if key == "__metadata__" or not isinstance(tensor, dict):
+            continue
+        count = 1
+        for dim in tensor.get("shape", []):
+            count *= int(dim)
+        stored = tensor.get("dtype", "")
+        if stored in _FLOATS:
+            total += count * (width or _FLOATS[stored])
+        else:
+            total += count * _OTHERS.get(stored, 1)
+    return total
+
+
+def weights_bytes(path: str, width: int | None) -> int:
+    """What the checkpoint's weights take once loaded: from its safetensors headers, else
+    (pickled weights) the size of its weight files."""
+    names = sorted(os.listdir(path))
+    tensors = [os.path.join(path, n) for n in names if n.endswith(".safetensors")]
+    if tensors:
+        return sum(_safetensors_bytes(f, width) for f in tensors)
+    return sum(os.path.getsize(os.path.join(path, n)) for n in names if n.endswith((".bin", ".pt", ".pth")))
+
+
+def preflight(location: ModelLocation, settings: Settings) -> LoadPlan:
+    """The transformers engine's :class:`~millm_core.api.LoadPlan` (weights on the CPU, in
+    the dtype the load would choose); refuses an unloadable quantization."""
+    config = _config(location.path)
+    quantization = config.get("quantization_config")
+    check_quantization(location.served_name, quantization)
+    dtype = chosen_dtype(settings.dtype, config.get("dtype") or config.get("torch_dtype"))
+    width = None if quantization is not None else SERVED_WIDTH[dtype]
+    try:
+        need = weights_bytes(location.path, width)
+    except (OSError, ValueError, struct.error):
+        need = 0  # unreadable headers: the load itself will say what is wrong
+    return LoadPlan(need={"cpu": need}, free={"cpu": host_available_bytes()})

@@ -1,0 +1,112 @@
+"""What the model-lifecycle tests share: a gate that holds requests on the model thread,
+a server over model roots, and small HTTP helpers."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from millm_core.api import AppContext, ForwardPlan, RequestContext, ServedModel, hookimpl
+from millm_core.config import load_settings
+from millm_core.server.app import build_host, create_app
+from millm_core.testing import RunningServer
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+class Held:
+    """A row that never draws EOS and, while its gate is closed, waits at its first token
+    (on the model thread: the request stays running until the test opens the gate);
+    ``pause`` seconds at every token."""
+
+    def __init__(self, gate: Gate, eos: frozenset[int]) -> None:
+        self.gate, self.eos = gate, eos
+
+    def logit_bias(self) -> dict[int, float]:
+        return {token: -100.0 for token in self.eos}
+
+    def on_token(self, token_id: int, text: str) -> tuple[str, bool]:
+        self.gate.entered.set()
+        self.gate.opened.wait(30)
+        time.sleep(self.gate.pause)
+        return text, False
+
+    def flush(self) -> str:
+        return ""
+
+
+class Gate:
+    """Holds requests sent with ``X-Gate: 1``; records the lifecycle hooks it sees."""
+
+    def __init__(self, pause: float = 0.0) -> None:
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+        self.pause = pause
+        self.events: list[str] = []
+
+    @hookimpl
+    def millm_pre_forward(self, ctx: RequestContext, request: Any, plan: ForwardPlan) -> None:
+        if ctx.headers.get("x-gate") == "1" and ctx.model is not None:
+            eos = frozenset(ctx.model.engine.eos_token_ids)
+            plan.add_processor(lambda _row: self._row(eos))
+
+    def _row(self, eos: frozenset[int]) -> Held:
+        return Held(self, eos)
+
+    @hookimpl
+    def millm_model_loaded(self, app: AppContext, model: ServedModel) -> None:
+        self.events.append(f"loaded:{model.info.served_name}:{len(app.models)}")
+
+    @hookimpl
+    def millm_model_unloaded(self, app: AppContext, model: ServedModel) -> None:
+        self.events.append(f"unloaded:{model.info.served_name}:{len(app.models)}")
+
+
+
+
+def make_roots(root: Any, tiny_dir: str, tiny_dir_no_template: str) -> str:
+    """A model root with the tiny model under two names, one without a chat template, a
+    GGUF-looking file nothing can read and a broken checkpoint."""
+    os.symlink(tiny_dir, root / "tiny")
+    os.symlink(tiny_dir, root / "tiny-b")
+    os.symlink(tiny_dir_no_template, root / "tiny-no-template")
+    broken = root / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    (root / "notes.txt").write_text("not a model")
+    return str(root)
+
+
+def serve_roots(roots: str, *plugins: object, **overrides: Any) -> RunningServer:
+    host = build_host(load_settings(environ={}))
+    for index, plugin in enumerate(plugins):
+        host.register(plugin, f"test-lifecycle-{index}")
+    settings = load_settings(
+        {"log_level": "critical", "db": ":memory:", "model_roots": (roots,), **overrides},
+        environ={},
+        plugin_settings=host.plugin_settings(),
+    )
+    return RunningServer(create_app(settings, host=host))
+
+
+def post(srv: RunningServer, path: str, body: dict[str, Any] | None = None, **kw: Any) -> httpx.Response:
+    return httpx.post(srv.base_url + path, json=body if body is not None else {}, timeout=60, **kw)
+
+
+def entries(srv: RunningServer) -> dict[str, dict[str, Any]]:
+    listed = httpx.get(srv.base_url + "/api/models", timeout=60).json()  # the first look may import an engine library
+    assert listed["object"] == "list"
+    return {entry["id"]: entry for entry in listed["data"]}
+
+
+def wait_for_state(srv: RunningServer, name: str, state: str, tries: int = 500) -> None:
+    """Until ``GET /api/models`` says ``name`` is in ``state`` (about 5 s at most)."""
+    for _ in range(tries):
+        if entries(srv)[name]["state"] == state:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{name} never became {state}: {entries(srv)[name]}")
