@@ -129,7 +129,14 @@ def expected(
     messages: list[dict[str, str]] = MESSAGES, max_tokens: int = MAX_TOKENS,
 ) -> dict[int, Any]:  # fmt: skip
     """position -> (token id, [(index, value)]) over every fed position, computed offline."""
-    prompt = prompt_ids(engine, messages)
+    return expected_for_ids(engine, path, read_point, top_k, features, delta, prompt_ids(engine, messages), max_tokens)
+
+
+def expected_for_ids(
+    engine: Any, path: str, read_point: str, top_k: int, features: list[int] | None, delta: np.ndarray | None,
+    prompt: list[int], max_tokens: int = MAX_TOKENS,
+) -> dict[int, Any]:  # fmt: skip
+    """``expected`` for a prompt given as token ids (a text completion's)."""
     generated = greedy_reference(engine, prompt, delta, max_tokens)
     fed = prompt + generated[:-1]  # the last draw is never fed back, so it has no activation
     acts = reference_encode(path, hooked_residuals(engine, fed, delta)[read_point])
@@ -301,6 +308,40 @@ def test_the_worst_case_size_is_bounded_counting_max_tokens_in_full(make_server:
         over = chat(srv, {"top_k": 4, "positions": "all"}, max_tokens=21)  # one position over, though EOS may come sooner
         assert over.status_code == 400 and over.json()["error"]["code"] == "sae_activations_too_large"
         assert chat(srv, {"top_k": 4, "positions": "prompt"}, max_tokens=200).status_code == 200  # the budget does not count there
+
+
+COMPLETION_PROMPT = "Once upon a time"
+
+
+@pytest.mark.parametrize("positions", ["all", "prompt"])
+def test_a_text_completion_reads_its_prompt_with_special_tokens_then_its_completion(
+    act_server: Any, tiny_engine: Any, sae_paths: dict[str, str], positions: str
+) -> None:
+    """``/v1/completions`` with one prompt: positions are absolute over the prompt as the
+    tokenizer encodes it (its BOS included: add_special_tokens defaults to on there) then
+    the generated tokens; the final draw is never fed back, so it is not listed."""
+    body = {"model": "tiny", "prompt": COMPLETION_PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_sae_activations": {"top_k": 5, "positions": positions}}  # fmt: skip
+    resp = httpx.post(act_server.base_url + "/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    acts = resp.json()["millm"]["sae_activations"]
+    assert (acts["sae_id"], acts["layer"], acts["read_point"]) == ("reader", LAYER, "post_steering")
+    tokenizer = tiny_engine.tokenizer
+    bare = list(tokenizer(COMPLETION_PROMPT, add_special_tokens=False)["input_ids"])
+    assert tokenizer.bos_token_id is not None  # the tiny tokenizer adds one: the case this test is for
+    prompt = [tokenizer.bos_token_id, *bare]
+    assert list(tokenizer(COMPLETION_PROMPT)["input_ids"]) == prompt
+    assert resp.json()["usage"]["prompt_tokens"] == len(prompt)
+    generated = greedy_reference(tiny_engine, prompt, None)
+    assert resp.json()["usage"]["completion_tokens"] == len(generated)
+    assert len(generated) > 1  # some generated token is fed back, so "all" reaches past the prompt
+    want = expected_for_ids(tiny_engine, sae_paths["reader"], "post_steering", 5, None, None, prompt)
+    listed = acts["positions"]
+    last = len(prompt) + len(generated) - 1  # positions run 0 .. this, exclusive
+    assert [e["position"] for e in listed] == list(range(last if positions == "all" else len(prompt)))
+    assert listed[0]["token_id"] == tokenizer.bos_token_id
+    assert [e["token_id"] for e in listed] == [*prompt, *generated[:-1]][: len(listed)]
+    assert_matches(listed, want)
 
 
 def test_several_prompts_are_refused(act_server: Any) -> None:

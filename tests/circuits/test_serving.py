@@ -377,3 +377,65 @@ def test_a_circuit_and_manual_values_at_one_layer_add_up(srv, tiny_engine, sae_p
         ("circuit", {"id": circuit["id"], "intensity": "1.0"}),
         ("manual", {"sae": "alpha", "layer": 0, "features": 1, "hash": spec_hash("alpha", manual)}),
     ]
+
+
+def test_composed_circuits_are_listed_by_id_whatever_order_they_were_imported_and_activated_in(srv) -> None:  # type: ignore[no-untyped-def]
+    """Ids are random, so circuits are imported until three came out with falling ids; they
+    are activated in that (import) order, so neither order is the ids' order, and the
+    header must still list them by id."""
+    made: list[str] = []
+    chosen: list[str] | None = None
+    for n in range(40):  # a random order of 40 holds a falling run of three all but surely
+        made.append(imported(srv.base_url, document(f"c{n}", {1: ("beta", [(n, 1.0 + n / 10)])}))["id"])
+        chosen = next(
+            ([a, b, c] for i, a in enumerate(made) for j, b in enumerate(made[i + 1 :], i + 1) for c in made[j + 1 :] if a > b > c),
+            None,
+        )
+        if chosen is not None:
+            break
+    assert chosen is not None and chosen == sorted(chosen, reverse=True)
+    for circuit_id in chosen:  # the highest id first
+        done = httpx.post(
+            srv.base_url + f"/api/circuits/{circuit_id}/activate", json={"allow_overlap": True, "acknowledge_unvalidated": True}
+        )
+        assert done.status_code == 200, done.text
+    resp = chat(srv.base_url)
+    assert resp.status_code == 200, resp.text
+    listed = members(resp.headers["x-millm-steering"])
+    assert listed == [("circuit", {"id": i, "intensity": "1.0", "composed": True}) for i in sorted(chosen)]
+    assert [params["id"] for _, params in listed] == list(reversed(chosen))  # the reverse of activation order
+    assert httpx.get(srv.base_url + "/api/circuits/active").json()["steering"] == resp.headers["x-millm-steering"]
+
+
+def test_per_request_dials_on_circuit_steered_rows_of_one_shared_batch(srv, tiny_engine, sae_paths: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
+    """Rows dialled 0.5, 1.5 and off while a circuit is active share decode steps; each
+    row's text and ``X-miLLM-Steering`` equal its own request run alone."""
+    circuit = imported(srv.base_url, two_layer(), activate=True)
+    dials: list[Any] = [0.5, 1.5, "off"]
+    tokens = 40
+    solo = {str(d): chat(srv.base_url, max_tokens=tokens, steering_intensity=d) for d in dials}
+    for dial, lam in ((0.5, 0.5), (1.5, 1.5)):
+        assert content(solo[str(dial)]) == reference(
+            tiny_engine, {0: (sae_paths["alpha"], scaled(A0, lam)), 1: (sae_paths["beta"], scaled(B1, lam))}, max_new_tokens=tokens
+        )
+        assert members(solo[str(dial)].headers["x-millm-steering"]) == [("circuit", {"id": circuit["id"], "intensity": str(lam)})]
+    assert content(solo["off"]) == reference(tiny_engine, {}, max_new_tokens=tokens)
+    assert members(solo["off"].headers["x-millm-steering"]) == [("none", {})]
+    assert len({content(r) for r in solo.values()}) == 3  # the dials make three different texts: a leak would show
+    steps_before = int(scheduler_stats(srv.base_url)["steps"])
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        jobs = [pool.submit(chat, srv.base_url, max_tokens=tokens, steering_intensity=dial) for dial in dials]
+        results = [job.result() for job in jobs]
+    steps = int(scheduler_stats(srv.base_url)["steps"]) - steps_before
+    counts = [resp.json()["usage"]["completion_tokens"] for resp in results]
+    assert steps < sum(counts)  # rows shared decode steps
+    # A row that shared no step with another needed its own steps on top of the longest other
+    # row's: fewer steps than that for every row means each shared steps with a differently dialled one.
+    assert steps < min(counts[r] + max(c for s, c in enumerate(counts) if s != r) for r in range(3)), (steps, counts)
+    for dial, resp in zip(dials, results, strict=True):
+        alone = solo[str(dial)]
+        assert content(resp) == content(alone), dial
+        assert resp.headers["x-millm-steering"] == alone.headers["x-millm-steering"]
+        assert resp.headers["x-millm-steering-intensity"] == alone.headers["x-millm-steering-intensity"]
+        assert ("x-millm-circuit-rung" in resp.headers) == (dial != "off")
+        assert resp.headers["x-millm-backend"] == "batched"

@@ -98,3 +98,19 @@ def test_without_an_armed_probe_name_one(make_server: Any, fitted: Fitted) -> No
         named = ok(score(srv, probe_ids=["sea"], inputs=[{"token_ids": [1, 2, 3]}]))
         assert [r["window"] for r in named["data"]] == ["all"]
         httpx.delete(srv.base_url + "/api/probes/sea", headers=JSON)
+
+
+def test_a_request_scores_at_most_probes_max_armed_probes(make_server: Any, fitted: Fitted) -> None:
+    """One request scores at most ``probes_max_armed`` probes, armed or not: naming more is a
+    400 on ``probe_ids``; a name given twice counts once."""
+    with make_server(probes_max_armed=1) as srv:
+        import_probe(srv, fitted.document("sea", probe_id="sea"))
+        import_probe(srv, fitted.document("other", probe_id="other"))
+        both = score(srv, probe_ids=["sea", "other"], inputs=[{"token_ids": [1, 2, 3]}])
+        assert both.status_code == 400, both.text
+        assert both.json()["error"]["param"] == "probe_ids"
+        assert "probes_max_armed" in both.json()["error"]["message"]
+        one = ok(score(srv, probe_ids=["other"], inputs=[{"token_ids": [1, 2, 3]}]))  # at the limit
+        assert [r["probe"]["id"] for r in one["data"]] == ["other"]
+        twice = ok(score(srv, probe_ids=["sea", "sea"], inputs=[{"token_ids": [1, 2, 3]}]))
+        assert [r["probe"]["id"] for r in twice["data"]] == ["sea"]
