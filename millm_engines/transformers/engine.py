@@ -3,7 +3,9 @@
 Rows are left-padded so that every row's next token sits in the last column; a batch
 without padding passes no attention mask at all (the causal fast path). Finished rows are
 dropped from the KV cache between steps. On the lean decode step each row is prefilled
-alone, in chunks, resumed from the prefix cache where it can (see :mod:`.prefix`).
+alone, in chunks, resumed from the prefix cache where it can (see :mod:`.prefix`). Rows of
+other requests join a running batch on both paths: on the generic HF forward when the
+model's cache layers are plain key/value tensors (see :mod:`.generic`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from millm_core.api import Capability, ModelInfo, NonFiniteLogits, OutOfMemory, 
 from .chat import render_chat_ids
 from .fastpath import KVCache, LlamaDecoder
 from .fp32 import Float32Copies
+from .generic import cache_length, join_refusal, merge_caches
 from .memory import available_bytes, shortfall
 from .plugin import CAPABILITIES  # declared once, before any load
 from .prefix import PrefixCache, prefill_chunks
@@ -82,9 +85,11 @@ def _non_finite_rows(logits: torch.Tensor) -> list[int]:
 
 
 class TransformersEngine:
-    """An :class:`~millm_core.engine.Engine` over a transformers causal LM. With the lean
-    decode step it is also :class:`~millm_core.engine.Joinable`: rows of other requests
-    join a running batch, their prompts prefilled beside the others' decode step."""
+    """An :class:`~millm_core.engine.Engine` over a transformers causal LM, also
+    :class:`~millm_core.engine.Joinable`: rows of other requests join a running batch,
+    their prompts prefilled on their own beside the others' decode steps — on the lean
+    decode step always, on the generic HF forward when the model's cache can be merged
+    (``join_refusal`` says why not, decided at load)."""
 
     capabilities = CAPABILITIES
     max_rows = 16  # rows one joined batch may hold
@@ -115,6 +120,8 @@ class TransformersEngine:
         self._rows = 0  # rows in the open batch (the scheduler runs one at a time)
         # The lean decode step's cache can always take tokens back; HF's, per layer type.
         cannot = None if fast is not None else refusal(model.config)
+        # Whether rows of other requests can join a running batch (None: they can).
+        self.join_refusal: str | None = None if fast is not None else join_refusal(model)
         self.refusals: dict[Capability, str] = {}
         if cannot:
             self.capabilities = CAPABILITIES - {Capability.REWIND}
@@ -261,24 +268,30 @@ class TransformersEngine:
     def batch_invariant(self) -> bool:
         """The lean decode step prefills each row alone and attends over each row's own
         cache columns, in every dtype; the generic HF forward pads a request's rows
-        together, which only float32 leaves the tokens alone for."""
+        together, and a joined request's rows with the running ones (a masked attention
+        over the batch's longest row), which only float32 leaves the tokens alone for."""
         return self.fast is not None or next(self.model.parameters()).dtype == torch.float32
 
     @property
     def batches_requests(self) -> bool:
-        """Whether concurrent requests share decode steps: only on the lean decode step."""
-        return self.fast is not None
+        """Whether concurrent requests share decode steps: on the lean decode step, and on
+        the generic HF forward when the model's cache can be merged (see :mod:`.generic`)."""
+        return self.fast is not None or self.join_refusal is None
 
     def can_join(self, rows: Sequence[RowSpec]) -> bool:
-        """Only on the lean decode step, whose KV cache can be merged, and up to
+        """Where the batch's KV cache can be merged (:attr:`batches_requests`), up to
         ``max_rows`` rows in all."""
-        return self.fast is not None and self._rows + len(rows) <= self.max_rows
+        return self.batches_requests and self._rows + len(rows) <= self.max_rows
 
     @torch.inference_mode()
     def join(self, batch: HFBatch, rows: Sequence[RowSpec]) -> None:
         """Prefill the joining rows now, on their own: if that fails (a bad row, no memory)
         only the joining request fails and the running batch is untouched. Their logits
         join the batch's at the next step."""
+        if not self.batches_requests:
+            raise ValueError(f"rows cannot join a running batch of this model: {self.join_refusal}")
+        if batch.cache is not None:
+            cache_length(batch.cache)  # a cache that cannot be merged refuses the join, not the batch
         sub = self._new_batch(rows)
         try:
             sub.prefilled = self._prefill(sub)
@@ -292,17 +305,30 @@ class TransformersEngine:
         batch.joining.append(sub)
 
     def _merge(self, batch: HFBatch, sub: HFBatch) -> None:
-        """Append a freshly prefilled ``sub`` to a running ``batch``: KV caches and masks
-        right-aligned to the longer one, positions and deltas per row."""
-        assert batch.kv is not None and sub.kv is not None and batch.next_pos is not None and sub.next_pos is not None
+        """Append a freshly prefilled ``sub`` to a running ``batch``: KV caches (the lean
+        step's or HF's plain ``DynamicCache``) and masks right-aligned to the longer one,
+        positions and deltas per row."""
+        assert batch.next_pos is not None and sub.next_pos is not None
         ra, rb = batch.size, sub.size
-        length = max(batch.kv.length, sub.kv.length)
-        if batch.mask is not None or sub.mask is not None or batch.kv.length != sub.kv.length:
+        if batch.kv is not None:
+            assert sub.kv is not None
+            la, lb = batch.kv.length, sub.kv.length
+        else:
+            assert batch.cache is not None and sub.cache is not None
+            la, lb = cache_length(batch.cache), cache_length(sub.cache)
+        length = max(la, lb)
+        if batch.mask is not None or sub.mask is not None or la != lb:
             mask = torch.zeros((ra + rb, length), dtype=torch.long, device=self.device)
-            mask[:ra, length - batch.kv.length :] = batch.mask if batch.mask is not None else 1
-            mask[ra:, length - sub.kv.length :] = sub.mask if sub.mask is not None else 1
+            mask[:ra, length - la :] = batch.mask if batch.mask is not None else 1
+            mask[ra:, length - lb :] = sub.mask if sub.mask is not None else 1
             batch.mask = mask
-        batch.kv = KVCache.merge(batch.kv, sub.kv)
+        if batch.kv is not None:
+            assert sub.kv is not None
+            batch.kv = KVCache.merge(batch.kv, sub.kv)
+        else:
+            assert batch.cache is not None and sub.cache is not None
+            merge_caches(batch.cache, sub.cache)
+            sub.cache = None
         batch.next_pos = torch.cat([batch.next_pos, sub.next_pos])
         assert batch.draw_pos is not None and sub.draw_pos is not None
         batch.draw_pos = batch.draw_pos + sub.draw_pos

@@ -105,6 +105,7 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
         fast = LlamaDecoder(model)
         if PREFIX_CACHE_MB.get(settings) > 0:  # the cache belongs to this model in this dtype
             prefix = PrefixCache(PREFIX_CACHE_MB.get(settings) * 2**20, f"{info.served_name}@{info.revision}:{info.dtype}")
+    engine = TransformersEngine(model, tokenizer, info, _eos_ids(tokenizer, path), fast=fast, prefix=prefix)
     log.info(
         "model_loaded",
         model=info.served_name,
@@ -113,9 +114,10 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
         threads=torch.get_num_threads(),
         fast_decode=fast is not None,
         fast_decode_reason=reason,
+        batches_requests=engine.batches_requests,
+        batching_refusal=engine.join_refusal,
         prefix_cache_mb=PREFIX_CACHE_MB.get(settings) if prefix is not None else 0,
     )
-    engine = TransformersEngine(model, tokenizer, info, _eos_ids(tokenizer, path), fast=fast, prefix=prefix)
     engine.generation_defaults = stated_sampling(path)
     if settings.batch_invariant and not engine.batch_invariant:
         raise ConfigError(

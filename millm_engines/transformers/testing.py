@@ -1,6 +1,7 @@
 """Offline test models for the transformers engine, reusable by plugin authors: a tiny
-Llama-architecture checkpoint with a freshly trained byte-level BPE tokenizer, built in
-seconds from local text (the interpreter's own standard library) and cached on disk.
+Llama-architecture checkpoint (or a Qwen2 one, for the generic HF forward) with a freshly
+trained byte-level BPE tokenizer, built in seconds from local text (the interpreter's own
+standard library) and cached on disk.
 
 The weights are random (fixed seed): outputs are meaningless but deterministic, which is
 what tests of serving mechanics need. torch and transformers are imported inside the
@@ -84,15 +85,19 @@ def build_tiny_model(
     context: int = 512,
     chat_template: bool = True,
     seed: int = 0,
+    architecture: str = "llama",
+    sliding_window: int | None = None,
 ) -> str:
-    """Write a tiny Llama checkpoint (config, safetensors, tokenizer) to ``path``."""
+    """Write a tiny checkpoint (config, safetensors, tokenizer) to ``path``: a Llama, or
+    with ``architecture="qwen2"`` a Qwen2 (biased q/k/v projections; no lean decode step),
+    whose last layer uses a sliding window of ``sliding_window`` tokens when one is given."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tokenizer()
     if chat_template:
         tokenizer.chat_template = CHATML_TEMPLATE
-    config = LlamaConfig(
+    common: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
@@ -106,7 +111,16 @@ def build_tiny_model(
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model: Any
+    if architecture == "llama":
+        if sliding_window is not None:
+            raise ValueError("the tiny Llama has no sliding window")
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif architecture == "qwen2":
+        window: dict[str, Any] = dict(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=layers - 1) if sliding_window else {}
+        model = Qwen2ForCausalLM(Qwen2Config(**common, **window))
+    else:
+        raise ValueError(f"no tiny {architecture!r} builder (llama, qwen2)")
     # Larger weights than the default init give peaked, varied next-token distributions,
     # so greedy text is not one token repeated.
     with torch.no_grad():
@@ -119,11 +133,15 @@ def build_tiny_model(
     return path
 
 
-def tiny_model_dir(root: str | None = None, *, chat_template: bool = True, context: int = 512) -> str:
+def tiny_model_dir(
+    root: str | None = None, *, chat_template: bool = True, context: int = 512, architecture: str = "llama", sliding_window: int | None = None
+) -> str:
     """The cached tiny model directory, built once (atomically) if missing. ``context``
-    other than 512 gives the same weights with a longer window (tool prompts are long)."""
+    other than 512 gives the same weights with a longer window (tool prompts are long);
+    ``architecture`` and ``sliding_window`` as for :func:`build_tiny_model`."""
     root = root or os.path.join(os.path.expanduser("~"), ".cache", "millm", "test-models")
-    name = TINY_VERSION + ("" if chat_template else "-no-template") + ("" if context == 512 else f"-ctx{context}")
+    base = TINY_VERSION if architecture == "llama" else f"tiny-{architecture}-v1" + (f"-sw{sliding_window}" if sliding_window else "")
+    name = base + ("" if chat_template else "-no-template") + ("" if context == 512 else f"-ctx{context}")
     target = os.path.join(root, name)
     marker = os.path.join(target, "millm_source.json")
     if os.path.isfile(marker):
@@ -131,7 +149,7 @@ def tiny_model_dir(root: str | None = None, *, chat_template: bool = True, conte
     os.makedirs(root, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".build-", dir=root)
     try:
-        build_tiny_model(staging, chat_template=chat_template, context=context)
+        build_tiny_model(staging, chat_template=chat_template, context=context, architecture=architecture, sliding_window=sliding_window)
         with open(os.path.join(staging, "millm_source.json"), "w") as fh:
             json.dump({"revision": name, "quantization": "none"}, fh)
         if os.path.isdir(target):

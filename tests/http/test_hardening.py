@@ -195,16 +195,17 @@ def test_embeddings_refuse_generation_fields(server) -> None:  # type: ignore[no
     assert httpx.post(url, json={"model": "tiny", "input": "x", "n": 1}).status_code == 200
 
 
-def test_backend_header_and_inference_say_what_runs(make_server, tiny_dir: str, tiny_model: Any) -> None:  # type: ignore[no-untyped-def]
+def test_backend_header_and_inference_say_what_runs(make_server, tiny_model: Any) -> None:  # type: ignore[no-untyped-def]
     """The tiny model is a Llama: on the lean decode step its rows join other requests'
-    batches. With --fast-decode false the same engine class runs each request alone, and
-    says so, per response and per model."""
+    batches. A model whose cache cannot be merged (a sliding-window layer) runs each
+    request alone on the same engine class, and says so, per response and per model."""
     from millm_core.engine import ModelLocation
     from millm_core.registry import ServedModel
     from millm_engines.transformers.loader import load_engine
-    from millm_engines.transformers.settings import FAST_DECODE
+    from millm_engines.transformers.testing import tiny_model_dir
 
-    serial_engine = load_engine(ModelLocation(path=tiny_dir, served_name="serial"), load_settings({"fast_decode": False}, environ={}, plugin_settings=[FAST_DECODE]))
+    sliding = tiny_model_dir(architecture="qwen2", sliding_window=64)
+    serial_engine = load_engine(ModelLocation(path=sliding, served_name="serial"), load_settings({}, environ={}))
     serial = ServedModel(info=serial_engine.info, engine=serial_engine)
     with make_server(models=[tiny_model, serial]) as srv:
         assert _chat(srv.base_url).headers["x-millm-backend"] == "batched"

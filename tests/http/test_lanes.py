@@ -1,12 +1,11 @@
 """Scheduling lanes: ``class``/``@agent``, the order waiting work is served in, and that
-an agent request is never starved. The engine here runs one request at a time (the
-generic HF forward, which joins no batches), so the order requests finish in is the order
-the scheduler served them."""
+an agent request is never starved. The engine here runs one request at a time (a model
+whose cache has a sliding-window layer, which the generic HF forward cannot merge across
+requests), so the order requests finish in is the order the scheduler served them."""
 
 from __future__ import annotations
 
 import threading
-
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +18,7 @@ from millm_core.hookspecs import hookimpl
 from millm_core.registry import ServedModel
 from millm_core.server.app import build_host
 from millm_engines.transformers.loader import load_engine
-from millm_engines.transformers.settings import FAST_DECODE
+from millm_engines.transformers.testing import tiny_model_dir
 
 from .helpers import GatePlugin, scheduler_stats, wait_until
 
@@ -39,9 +38,9 @@ class Finished:
 
 
 @pytest.fixture(scope="module")
-def serial_model(tiny_dir: str) -> ServedModel:
-    settings = load_settings({"fast_decode": False}, environ={}, plugin_settings=[FAST_DECODE])
-    engine = load_engine(ModelLocation(path=tiny_dir, served_name="tiny"), settings)
+def serial_model() -> ServedModel:
+    engine = load_engine(ModelLocation(path=tiny_model_dir(architecture="qwen2", sliding_window=64), served_name="tiny"), load_settings({}, environ={}))
+    assert not engine.batches_requests
     return ServedModel(info=engine.info, engine=engine)
 
 

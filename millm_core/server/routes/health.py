@@ -54,9 +54,9 @@ async def inference(request: Request) -> Response:
     state = app_state(request)
     # Per model, what actually runs: "batched" when concurrent requests share its decode
     # steps (a Joinable engine that joins as loaded), else "serial". "backend" is the
-    # server's: batched when any model batches.
+    # server's: batched when any model batches (invariantly or not: "batched;invariant=?0").
     models = {m.info.served_name: backend_of(m.engine) for m in state.models}
-    backend = "batched" if "batched" in models.values() else "serial"
+    backend = "batched" if any(v.split(";")[0] == "batched" for v in models.values()) else "serial"
     scheduler = state.scheduler
     body = {
         "backend": backend,

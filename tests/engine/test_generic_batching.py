@@ -1,0 +1,255 @@
+"""Continuous batching on the generic HF forward (issue #15): a model without the lean decode
+step — here a tiny Qwen2, biased q/k/v projections, plain ``DynamicCache`` layers — lets
+requests join a running batch, and a greedy row's tokens are its solo tokens (float32)
+whatever joins or leaves beside it. A model whose cache cannot be merged (a sliding-window
+layer) runs one request at a time and says so. References: HF ``generate`` for solo greedy
+text, single-row runs for rows in a batch, the scheduler's step counter for sharing."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from millm_core.api import Joinable, RowSpec, SamplingParams, ServedModel, Tap
+from millm_core.config import load_settings
+from millm_core.engine import ModelLocation, backend_of
+from millm_engines.transformers.generic import join_refusal, layout_refusal
+from millm_engines.transformers.loader import load_engine
+from millm_engines.transformers.testing import tiny_model_dir
+
+from ..http.helpers import scheduler_stats
+from .test_steering_rows import delta
+from .test_taps import check_row
+from .test_taps import run as run_tapped
+
+GREEDY = SamplingParams(temperature=0.0)
+SEEDED = SamplingParams(temperature=1.0, seed=77)
+STEPS = 16
+TEXTS = ["The capital of France is Paris, and the capital of Spain is", "hi", "import json\nimport os\n", "def f(x):", "Once upon a time"]
+
+
+def _load(path: str, name: str, dtype: str = "float32") -> Any:
+    return load_engine(ModelLocation(path=path, served_name=name), load_settings({"dtype": dtype}, environ={}))
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir() -> str:
+    return tiny_model_dir(architecture="qwen2")
+
+
+@pytest.fixture(scope="session")
+def sliding_dir() -> str:
+    return tiny_model_dir(architecture="qwen2", sliding_window=64)
+
+
+@pytest.fixture(scope="session")
+def qwen2(qwen2_dir: str) -> Any:
+    return _load(qwen2_dir, "tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def sliding(sliding_dir: str) -> Any:
+    return _load(sliding_dir, "tiny-sliding")
+
+
+def spec(engine: Any, text: str, sampling: SamplingParams = GREEDY, **extra: Any) -> RowSpec:
+    return RowSpec(prompt_ids=tuple(engine.encode(text, add_special_tokens=True)), sampling=sampling, **extra)
+
+
+def drive(
+    engine: Any,
+    rows: Sequence[RowSpec],
+    steps: int = STEPS,
+    joins: Mapping[int, Sequence[RowSpec]] | None = None,
+    rewinds: Mapping[int, Sequence[tuple[int, int]]] | None = None,
+    budget: Mapping[int, int] | None = None,
+) -> dict[int, list[int]]:
+    """Step ``rows`` (ids 0..) as the scheduler does: ``joins[k]`` (one request's rows, the
+    next ids) join before step k; a row is retired (``retain``) once it has drawn
+    ``budget.get(id, steps)`` tokens; after step k, ``rewinds[k]`` takes back ``(id, n)``.
+    Returns each row's tokens."""
+    batch = engine.open_batch(rows)
+    live = list(range(len(rows)))
+    out: dict[int, list[int]] = {i: [] for i in live}
+    k = 0
+    try:
+        while live:
+            for_step = (joins or {}).get(k, ())
+            if for_step:
+                assert engine.can_join(for_step)
+                engine.join(batch, for_step)
+                for _ in for_step:
+                    live.append(len(out))
+                    out[len(out)] = []
+            for i, token in zip(live, engine.step(batch, [None] * len(live)), strict=True):
+                out[i].append(token)
+            keep = [p for p, i in enumerate(live) if len(out[i]) < (budget or {}).get(i, steps)]
+            if len(keep) < len(live) and keep:
+                engine.retain(batch, keep)
+            live = [live[p] for p in keep]
+            for i, n in (rewinds or {}).get(k, ()):
+                engine.rewind(batch, live.index(i), n)
+                del out[i][-n:]
+            k += 1
+    finally:
+        engine.close(batch)
+    return out
+
+
+def solo(engine: Any, row: RowSpec, steps: int = STEPS) -> list[int]:
+    return drive(engine, [row], steps)[0]
+
+
+# ------------------------------------------------------------------ the decision
+
+
+def test_a_plain_cache_model_joins_and_says_so(qwen2: Any) -> None:
+    assert qwen2.model.config.model_type == "qwen2" and qwen2.fast is None  # the generic HF forward
+    assert qwen2.join_refusal is None and qwen2.batches_requests
+    assert isinstance(qwen2, Joinable) and qwen2.can_join([spec(qwen2, "hi")])
+    assert not qwen2.can_join([spec(qwen2, "hi")] * (qwen2.max_rows + 1))
+    assert qwen2.batch_invariant and backend_of(qwen2) == "batched"
+
+
+def test_a_sliding_window_model_runs_alone_and_says_so(sliding: Any) -> None:
+    assert sliding.fast is None
+    assert sliding.join_refusal is not None and "DynamicSlidingWindowLayer" in sliding.join_refusal
+    assert not sliding.batches_requests and not sliding.can_join([spec(sliding, "hi")])
+    assert backend_of(sliding) == "serial"
+    batch = sliding.open_batch([spec(sliding, "hi")])
+    try:
+        sliding.step(batch, [None])
+        with pytest.raises(ValueError, match="cannot join"):
+            sliding.join(batch, [spec(sliding, "import json")])
+        assert len(sliding.step(batch, [None])) == 1  # the running batch is untouched
+    finally:
+        sliding.close(batch)
+
+
+def test_the_decision_refuses_every_layout_it_cannot_merge() -> None:
+    from transformers import AutoModelForCausalLM, MambaConfig, MistralConfig, Qwen2Config, RwkvConfig, T5Config
+
+    assert layout_refusal(Qwen2Config(num_hidden_layers=2)) is None
+    assert "DynamicSlidingWindowLayer" in str(layout_refusal(MistralConfig(num_hidden_layers=2, sliding_window=64)))
+    assert "LinearAttentionLayer" in str(layout_refusal(MambaConfig(num_hidden_layers=2)))  # recurrent/conv state
+    assert "encoder-decoder" in str(layout_refusal(T5Config()))
+    # A recurrent model whose config looks plain: the load-time forward finds no key/value columns.
+    rwkv = AutoModelForCausalLM.from_config(RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64))
+    assert layout_refusal(rwkv.config) is None and join_refusal(rwkv) is not None
+
+
+# ------------------------------------------------------------------ joined rows are exact (float32)
+
+
+def test_a_solo_row_matches_hf_generate(qwen2: Any) -> None:
+    row = spec(qwen2, TEXTS[0])
+    with torch.no_grad():
+        ref = qwen2.model.generate(torch.tensor([row.prompt_ids]), max_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert solo(qwen2, row) == ref[0, len(row.prompt_ids) :].tolist()
+
+
+@pytest.mark.parametrize("first,joiner", [(0, 1), (1, 0)], ids=["short-joins-long", "long-joins-short"])
+def test_a_row_joining_mid_decode_and_the_running_row_keep_their_solo_tokens(qwen2: Any, first: int, joiner: int) -> None:
+    a, b = spec(qwen2, TEXTS[first]), spec(qwen2, TEXTS[joiner])
+    assert len(a.prompt_ids) != len(b.prompt_ids)
+    got = drive(qwen2, [a], joins={4: [b]})
+    assert got == {0: solo(qwen2, a), 1: solo(qwen2, b)}
+
+
+def test_several_joins_and_retirements_keep_every_row_exact(qwen2: Any) -> None:
+    rows = [spec(qwen2, t) for t in TEXTS]
+    pair = [spec(qwen2, "The weather today"), spec(qwen2, "1, 2, 3, 4, 5, 6, 7, 8,", SEEDED)]  # one request, two lengths
+    budget = {0: 5, 1: STEPS, 2: 9, 3: STEPS, 4: 3, 5: STEPS, 6: 12}  # row 0, the longest prompt, leaves first
+    got = drive(qwen2, rows[:2], joins={2: [rows[2]], 3: pair, 6: [rows[3]], 7: [rows[4]]}, budget=budget)
+    order = [*rows[:2], rows[2], *pair, rows[3], rows[4]]  # ids 0, 1, 2, 3-4 (the pair), 5, 6
+    assert got == {i: solo(qwen2, r, budget.get(i, STEPS)) for i, r in enumerate(order)}
+
+
+def test_identical_rows_joining_at_different_steps_get_identical_tokens(qwen2: Any) -> None:
+    row = spec(qwen2, TEXTS[2])
+    got = drive(qwen2, [row], joins={k: [row] for k in range(1, 6)})
+    assert all(tokens == solo(qwen2, row) for tokens in got.values())
+
+
+def test_steered_and_tapped_rows_join_exactly(qwen2: Any) -> None:
+    steered = spec(qwen2, TEXTS[3], deltas={1: delta(qwen2, 5)})
+    assert solo(qwen2, steered) != solo(qwen2, spec(qwen2, TEXTS[3]))  # the delta changes the text
+    got = drive(qwen2, [spec(qwen2, TEXTS[4])], joins={3: [steered]})
+    assert got[1] == solo(qwen2, steered)
+    first = spec(qwen2, TEXTS[4], taps=(Tap(1, "post_steering"),))
+    joiner = spec(qwen2, TEXTS[0], deltas={1: delta(qwen2, 6)}, taps=(Tap(0, "post_steering"), Tap(1, "pre_steering")))
+    rec = run_tapped(qwen2, [first], steps=9, joins={2: [spec(qwen2, "hi"), joiner]})
+    check_row(qwen2, rec, 0, first)
+    check_row(qwen2, rec, 2, joiner)
+    assert rec.reads[1] == [] and rec.tokens[2] == solo(qwen2, joiner, len(rec.tokens[2]))
+
+
+def test_rewinds_of_joined_and_running_rows_stay_exact(qwen2: Any) -> None:
+    """A joined row taken back partway, a running row taken back to its prompt: each goes on
+    as if the tokens had never been drawn (greedy: it draws them again)."""
+    a, b = spec(qwen2, TEXTS[0]), spec(qwen2, TEXTS[2])
+    got = drive(qwen2, [a], joins={2: [b]}, rewinds={4: [(0, 5)], 6: [(1, 3)]})
+    assert got == {0: solo(qwen2, a), 1: solo(qwen2, b)}
+
+
+def test_bfloat16_joins_but_does_not_claim_invariance(qwen2_dir: str, make_server: Any) -> None:
+    engine = _load(qwen2_dir, "tiny-qwen2-bf16", "bfloat16")
+    assert engine.batches_requests and not engine.batch_invariant
+    assert backend_of(engine) == "batched;invariant=?0"
+    got = drive(engine, [spec(engine, TEXTS[0])], steps=6, joins={2: [spec(engine, TEXTS[1])]})
+    assert [len(t) for t in got.values()] == [6, 6]
+    with make_server(models=[ServedModel(info=engine.info, engine=engine)]) as srv:  # its only model batches, not invariantly
+        report = httpx.get(srv.base_url + "/api/health/inference").json()
+    assert report["models"] == {"tiny-qwen2-bf16": "batched;invariant=?0"} and report["backend"] == "batched"
+
+
+# ------------------------------------------------------------------ over HTTP
+
+
+def _complete(base_url: str, model: str, prompt: str) -> httpx.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": 20, "temperature": 0}
+    resp = httpx.post(base_url + "/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def _at_once(base_url: str, model: str, prompts: list[str]) -> tuple[list[str], dict[str, int]]:
+    """The texts of ``prompts`` sent together, and the scheduler's steps and tokens for them."""
+    before = scheduler_stats(base_url)
+    texts = [""] * len(prompts)
+
+    def one(i: int) -> None:
+        texts[i] = str(_complete(base_url, model, prompts[i]).json()["choices"][0]["text"])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    after = scheduler_stats(base_url)
+    return texts, {key: after[key] - before[key] for key in ("steps", "generated_tokens")}
+
+
+def test_concurrent_requests_on_a_non_llama_model_share_steps_and_keep_their_text(make_server: Any, qwen2: Any, sliding: Any) -> None:
+    models = [ServedModel(info=e.info, engine=e) for e in (qwen2, sliding)]
+    prompts = [f"Item {i}: the sea" for i in range(3)] + ["import json"]
+    with make_server(models=models) as srv:
+        report = httpx.get(srv.base_url + "/api/health/inference").json()
+        assert report["models"] == {"tiny-qwen2": "batched", "tiny-sliding": "serial"} and report["backend"] == "batched"
+        assert _complete(srv.base_url, "tiny-qwen2", "hi").headers["x-millm-backend"] == "batched"
+        assert _complete(srv.base_url, "tiny-sliding", "hi").headers["x-millm-backend"] == "serial"
+
+        alone = [str(_complete(srv.base_url, "tiny-qwen2", p).json()["choices"][0]["text"]) for p in prompts]
+        texts, counts = _at_once(srv.base_url, "tiny-qwen2", prompts)
+        assert texts == alone
+        assert counts["steps"] < counts["generated_tokens"]  # rows of different requests shared steps
+
+        alone = [str(_complete(srv.base_url, "tiny-sliding", p).json()["choices"][0]["text"]) for p in prompts[:3]]
+        texts, counts = _at_once(srv.base_url, "tiny-sliding", prompts[:3])
+        assert texts == alone
+        assert counts["steps"] == counts["generated_tokens"]  # one request at a time
