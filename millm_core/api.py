@@ -21,6 +21,7 @@ The groups, in the order a plugin meets them:
   ``SamplingParams``, ``ServedModel``, ``ModelRegistry``, ``SwitchTarget``;
 - OpenAI's request and response contracts;
 - errors (each carries its HTTP status and code; raise them, never build a response);
+- the app ``millm serve`` serves, for another ASGI host (``serving_app``);
 - serving a model request from a plugin: ``dispatch`` and its ``Dispatched`` reply
   (``declares`` says whether an endpoint takes a field on this server; ``CLIENT_CLOSED``,
   499, is the status of a request whose client left);
@@ -123,6 +124,7 @@ from .rng import uniform
 from .server.dispatch import CLIENT_CLOSED, Dispatched, declares, dispatch
 from .server.routes.common import model_endpoint, until_disconnect
 from .server.web import app_context, event_stream, json_response, read_json
+from .serving import serving_app
 from .steering import AppliedSet
 from .store import Store
 from .unknown import unknown_fields
@@ -240,6 +242,7 @@ __all__ = [
     "refuse_empty",
     "render_with_continuation",
     "request_types_with",
+    "serving_app",
     "split_continuation",
     "uniform",
     "unknown_fields",

@@ -72,9 +72,14 @@ def build_parser(plugin_settings: Sequence[PluginSetting[Any]] = (), commands: S
     parser = argparse.ArgumentParser(prog="millm", description="An OpenAI-compatible model server for interpretability research")
     parser.add_argument("--version", action="version", version=f"millm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_settings_flags(sub.add_parser("serve", help="serve a model over the OpenAI API"), plugin_settings)
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    _add_settings_flags(serve, plugin_settings)
     _add_settings_flags(sub.add_parser("models", help="list the models plugins offer and the installed plugins"), plugin_settings)
     for command in commands:
+        if command.serve_option:  # `millm serve --<name>`: another way to serve, with arguments of its own
+            serve.add_argument("--" + command.name, dest=command.name.replace("-", "_"), action="store_true", help=command.help)
+            command.configure(serve, lambda p: None)
+            continue
         command.configure(sub.add_parser(command.name, help=command.help), lambda p: _add_settings_flags(p, plugin_settings))
     return parser
 
@@ -250,18 +255,9 @@ def _check_descriptors(cap: int) -> None:
 
 
 async def _serve(settings: Settings) -> None:
-    from .loading import load, locate
-    from .registry import ServedModel
-    from .server.app import build_host, create_app
+    from .serving import serving_app
 
-    host = build_host(settings)
-    location = locate(settings, host)  # fast failure and one-time conversion, before binding
-
-    def loader() -> ServedModel:
-        engine = load(location, settings, host)
-        return ServedModel(info=engine.info, engine=engine, location=location)
-
-    app = create_app(settings, host=host, loader=loader)
+    app = serving_app(settings)  # the model is located now: a fast failure and one-time conversion, before binding
     config = hypercorn_config(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -301,6 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser(declared, list(commands.values())).parse_args(argv)
         settings = load_settings(_overrides(args, declared), plugin_settings=declared)
         configure_logging(settings.log_format, settings.log_level)
+        option = next((c for c in commands.values() if c.serve_option and getattr(args, c.name.replace("-", "_"), False)), None)
+        if args.command == "serve" and option is not None:
+            return option.run(args, settings)
         if args.command == "serve":
             asyncio.run(_serve(settings))
         elif args.command == "models":
