@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .preflight import lean_refusal
 from .taps import Captured, LayerReads, capture
 
-SUPPORTED_MODEL_TYPES = ("llama",)
 _GROW = 256
 
 
@@ -36,14 +36,9 @@ _GROW = 256
 def unsupported_reason(model: Any) -> str | None:
     """Why the fast path cannot serve ``model``, or None when it can."""
     config = getattr(model, "config", None)
-    if config is None or config.model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model_type {getattr(config, 'model_type', None)!r} has no fast decode path"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return "activation is not silu"
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        return "projection biases are not supported"
-    if getattr(config, "pretraining_tp", 1) not in (1, None):
-        return "pretraining_tp > 1"
+    reason = lean_refusal(config) if config is not None else "the model has no config"
+    if reason is not None:
+        return reason
     layers = model.model.layers
     for layer in layers:
         for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.gate_proj, layer.mlp.up_proj):

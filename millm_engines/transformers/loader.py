@@ -19,7 +19,7 @@ from millm_core.api import ConfigError, ModelInfo, ModelLocation, Settings, oper
 from .engine import TransformersEngine
 from .fastpath import LlamaDecoder, unsupported_reason
 from .prefix import PrefixCache
-from .preflight import check_quantization, chosen_dtype
+from .preflight import check_quantization, chosen_dtype, lean_step
 from .settings import FAST_DECODE, PREFIX_CACHE_MB
 
 log = structlog.get_logger("millm.engine.transformers")
@@ -31,8 +31,9 @@ def is_checkpoint_dir(location: ModelLocation) -> bool:
     return os.path.isdir(location.path) and os.path.isfile(os.path.join(location.path, "config.json"))
 
 
-def _choose_dtype(setting: str, config: object) -> torch.dtype:
-    return _DTYPES[chosen_dtype(setting, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))]
+def _choose_dtype(settings: Settings, config: object) -> torch.dtype:
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return _DTYPES[chosen_dtype(settings.dtype, declared, lean_step(config, settings))]
 
 
 def _eos_ids(tokenizer: object, path: str) -> frozenset[int]:
@@ -68,7 +69,7 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
     path = location.path
     config = AutoConfig.from_pretrained(path)
     check_quantization(location.served_name, getattr(config, "quantization_config", None))
-    dtype = _choose_dtype(settings.dtype, config)
+    dtype = _choose_dtype(settings, config)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -12,6 +12,8 @@ from typing import Any
 
 from millm_core.api import LoadPlan, ModelLocation, Settings, UnsupportedQuantization, host_available_bytes
 
+from .settings import FAST_DECODE, LEAN_MODEL_TYPES
+
 # Bytes per element of the dtypes millm serves a checkpoint in.
 SERVED_WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
 # safetensors' floating dtypes (cast to the served dtype on load) and their widths.
@@ -20,13 +22,43 @@ _OTHERS = {"I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "
 _HEADER_LIMIT = 100 * 2**20  # safetensors' own bound on a header
 
 
-def chosen_dtype(setting: str, declared: object) -> str:
-    """The dtype a checkpoint is served in: ``--dtype`` unless ``auto``; then the dtype
-    its config declares when millm serves that dtype; else float32."""
+def chosen_dtype(setting: str, declared: object, lean: bool) -> str:
+    """The dtype a checkpoint is served in: ``--dtype`` unless ``auto``. ``auto`` takes
+    the dtype its config declares (bfloat16 for most recent checkpoints) where a row's
+    tokens stay independent of its batch in it: on the lean decode step (``lean``), which
+    attends over each row's own cache columns in every dtype. The generic HF forward pads
+    rows together, which only float32 leaves the tokens alone for: there ``auto`` is
+    float32 (ask for ``--dtype bfloat16`` to trade that away for speed)."""
     if setting != "auto":
         return setting
     name = str(declared).removeprefix("torch.") if declared is not None else ""
-    return name if name in SERVED_WIDTH else "float32"
+    if name not in SERVED_WIDTH:
+        return "float32"
+    return name if lean or name == "float32" else "float32"
+
+
+def lean_refusal(config: object) -> str | None:
+    """Why the lean decode step cannot serve a checkpoint with this config (a
+    ``config.json`` dict or a transformers config), or None when its config allows it
+    (the loaded modules are checked too: :func:`.fastpath.unsupported_reason`)."""
+
+    def get(key: str, default: object = None) -> object:
+        return config.get(key, default) if isinstance(config, dict) else getattr(config, key, default)
+
+    if get("model_type") not in LEAN_MODEL_TYPES:
+        return f"model_type {get('model_type')!r} has no fast decode path"
+    if get("hidden_act", "silu") != "silu":
+        return "activation is not silu"
+    if get("attention_bias", False) or get("mlp_bias", False):
+        return "projection biases are not supported"
+    if get("pretraining_tp", 1) not in (1, None):
+        return "pretraining_tp > 1"
+    return None
+
+
+def lean_step(config: object, settings: Settings) -> bool:
+    """Whether the lean decode step would serve a checkpoint with this config."""
+    return bool(FAST_DECODE.get(settings)) and lean_refusal(config) is None
 
 
 def _config(path: str) -> dict[str, Any]:
@@ -97,7 +129,7 @@ def preflight(location: ModelLocation, settings: Settings) -> LoadPlan:
     config = _config(location.path)
     quantization = config.get("quantization_config")
     check_quantization(location.served_name, quantization)
-    dtype = chosen_dtype(settings.dtype, config.get("dtype") or config.get("torch_dtype"))
+    dtype = chosen_dtype(settings.dtype, config.get("dtype") or config.get("torch_dtype"), lean_step(config, settings))
     width = None if quantization is not None else SERVED_WIDTH[dtype]
     try:
         need = weights_bytes(location.path, width)

@@ -12,6 +12,9 @@ def _mebibytes(value: str) -> int:
     return number
 
 
+# Architectures the lean decode step serves (read off config.json's model_type).
+LEAN_MODEL_TYPES = ("llama",)
+
 FAST_DECODE = PluginSetting(
     "fast_decode", True, "true | false: the lean decode step where it supports the architecture (Llama-style models)", parse_bool
 )

@@ -1,0 +1,53 @@
+"""``--dtype auto``: a checkpoint's declared dtype where a row's tokens stay independent of
+its batch in it (the lean decode step, in every dtype), float32 on the generic HF forward
+(which pads rows together: only float32 leaves the tokens alone); the load plan estimates
+the weights in the dtype the load picks."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from millm_core.api import ModelLocation
+from millm_core.config import load_settings
+from millm_engines.transformers.loader import load_engine
+from millm_engines.transformers.preflight import preflight
+from millm_engines.transformers.settings import FAST_DECODE
+from millm_engines.transformers.testing import tiny_model_dir
+
+
+def _declaring(source: str, folder: Path, dtype: str) -> str:
+    """``source``'s files under a config that declares ``dtype``."""
+    folder.mkdir()
+    for name in os.listdir(source):
+        if name != "config.json":
+            os.symlink(os.path.join(source, name), folder / name)
+    config = json.loads(Path(source, "config.json").read_text())
+    config["dtype"] = dtype
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "fast", "picked"),
+    [("llama", True, "bfloat16"), ("llama", False, "float32"), ("qwen2", True, "float32")],
+)
+def test_auto_takes_the_declared_dtype_only_where_it_is_batch_invariant(tmp_path: Path, architecture: str, fast: bool, picked: str) -> None:
+    path = _declaring(tiny_model_dir(architecture=architecture), tmp_path / "ckpt", "bfloat16")
+    settings = load_settings({"fast_decode": fast}, environ={}, plugin_settings=[FAST_DECODE])
+    engine = load_engine(ModelLocation(path=path, served_name="m"), settings)
+    assert engine.info.dtype == picked
+    assert engine.batch_invariant  # what auto picks never gives a row's tokens away to its batch
+    width = {"bfloat16": 2, "float32": 4}[picked]
+    parameters = sum(p.numel() for p in engine.model.parameters())
+    assert preflight(ModelLocation(path=path, served_name="m"), settings).need["cpu"] == parameters * width
+
+
+def test_an_explicit_dtype_is_served_as_asked(tmp_path: Path) -> None:
+    path = _declaring(tiny_model_dir(architecture="qwen2"), tmp_path / "ckpt", "float32")
+    settings = load_settings({"dtype": "bfloat16"}, environ={}, plugin_settings=[FAST_DECODE])
+    engine = load_engine(ModelLocation(path=path, served_name="m"), settings)
+    assert engine.info.dtype == "bfloat16" and not engine.batch_invariant  # and says so
