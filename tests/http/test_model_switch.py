@@ -124,6 +124,7 @@ def test_a_refused_request_never_evicts_the_resident(srv: RunningServer, gate: G
         ("tiny-b", {"colour": "blue"}, {"X-miLLM-Strict": "true"}, 400, "unused_fields_refused", None),
         ("tiny-b", steer, {}, 400, "sae_not_attached", "steering"),  # an SAE attaches to the resident only
         ("tiny.gguf", steer, {}, 400, "field_not_honoured", "steering"),  # the GGUF engine declares no steering
+        ("tiny.gguf", {"return_sae_activations": {"top_k": 4}}, {}, 400, "field_not_honoured", "return_sae_activations"),  # nor taps
         ("tiny-gptq", {}, {}, 400, "unsupported_quantization", "model"),
         ("huge", {}, {}, 503, "insufficient_memory", "model"),
     ]
