@@ -241,3 +241,27 @@ def test_checkpoints_of_the_local_hf_cache_are_listed_and_load_by_name(
         resp = _complete(srv, "acme/Tiny")
         assert resp.status_code == 200, resp.text
         assert resp.json()["model"] == "acme/Tiny" and "acme/Tiny@0123abcd" in resp.json()["system_fingerprint"]
+
+
+def test_armed_probes_follow_the_resident(srv: RunningServer, tiny_engine: Any) -> None:
+    """An armed probe stays armed through switches: on a model other than the one it was
+    fitted on each result is skipped with model_mismatch; back on its model it scores again."""
+    from ..probes.helpers import HELD_SEA, Fitted, arm, chat_ids, import_probe, user
+
+    fitted = Fitted(tiny_engine)
+    import_probe(srv, fitted.document(probe_id="sea"))
+    assert arm(srv, "sea", windows=["prompt"]).status_code == 200
+
+    def prompt_result(model: str) -> dict[str, Any]:
+        resp = post(srv, "/v1/chat/completions", {"model": model, "messages": user(HELD_SEA[0]), "max_tokens": 2})
+        assert resp.status_code == 200, resp.text
+        [result] = resp.json()["millm_probe_verdicts"]  # the one window armed
+        return dict(result)
+
+    expected = fitted.score(chat_ids(tiny_engine, user(HELD_SEA[0])))
+    assert prompt_result("tiny")["score"] == pytest.approx(expected, abs=1e-6)
+    away = prompt_result("narrow")
+    assert (away["outcome"], away["reason"], away["score"]) == ("skipped", "model_mismatch", None)
+    assert [p["id"] for p in httpx.get(srv.base_url + "/api/probes?armed=true").json()["data"]] == ["sea"]
+    back = prompt_result("tiny")
+    assert back["outcome"] == "scored" and back["score"] == pytest.approx(expected, abs=1e-6)
