@@ -125,6 +125,10 @@ class RequestContext:
     prompts: list[list[int]] | None = None
     # Fields added to this request's access-log line (the core adds token counts).
     access_log: dict[str, object] = field(default_factory=dict)
+    # Whether naming a model that is not loaded may unload the resident to load it
+    # (--auto-load). False for work that must never evict the model live traffic uses
+    # (the Batch API's lines, while a model is loaded): it waits for its model instead.
+    may_switch: bool = True
 
     def set_header(self, name: str, value: str) -> None:
         self.response_headers[name] = value

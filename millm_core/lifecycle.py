@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -21,7 +21,7 @@ import msgspec
 
 from .config import Settings
 from .engine import ModelLocation
-from .errors import ConfigError, ModelBusy, ModelLocked
+from .errors import ConfigError, MillmError, ModelBusy, ModelLocked
 from .loading import choose_engine, local_revision
 from .plugins import PluginHost
 from .registry import ModelRegistry, ServedModel
@@ -32,6 +32,8 @@ ModelState = Literal["available", "loading", "loaded", "unloading"]
 BUSY_RETRY_AFTER_S = 2
 # How often an unload looks whether the model's requests have ended.
 DRAIN_POLL_S = 0.02
+# How long a failed load is answered from memory instead of being tried again.
+LOAD_FAILURE_MEMORY_S = 30.0
 
 
 class ModelEntry(msgspec.Struct, kw_only=True):
@@ -59,10 +61,10 @@ class ModelCatalog(msgspec.Struct, kw_only=True):
 class Candidate:
     """A model that can be loaded: ``locate`` gives its location (it may convert files
     once: run it on the model thread). ``path`` is known without locating for a model
-    under ``--model-roots``."""
+    under ``--model-roots`` or one this server loaded before (``source: "loaded"``)."""
 
     id: str
-    source: Literal["plugin", "directory"]
+    source: Literal["plugin", "directory", "loaded"]
     locate: Callable[[], ModelLocation]
     path: str | None = None
 
@@ -91,10 +93,17 @@ def _root_candidates(root: str) -> Iterator[tuple[str, str]]:
                         yield f"{name}/{inner}", nested
 
 
-def candidates(settings: Settings, host: PluginHost) -> dict[str, Candidate]:
-    """Every model this server could load, by id: the model sources plugins offer, then
-    what ``--model-roots`` holds (a plugin's name wins a clash). Never downloads anything
-    and never converts: nothing is located until it is loaded."""
+def remembered_candidate(name: str, location: ModelLocation) -> Candidate:
+    """A model this server served before (the one ``--model`` named, say), loadable again
+    by the name it was served under."""
+    return Candidate(name, "loaded", lambda: location, location.path)
+
+
+def candidates(settings: Settings, host: PluginHost, remembered: Mapping[str, ModelLocation] | None = None) -> dict[str, Candidate]:
+    """Every model this server could load, by id: the model sources plugins offer (not
+    their aliases), then what ``--model-roots`` holds (a plugin's name wins a clash), then
+    the models it served before under their names (``remembered``). Never downloads
+    anything and never converts: nothing is located until it is loaded."""
     found: dict[str, Candidate] = {}
     for root in settings.model_roots:
         for model_id, path in _root_candidates(root):
@@ -106,11 +115,15 @@ def candidates(settings: Settings, host: PluginHost) -> dict[str, Candidate]:
 
             found.setdefault(model_id, Candidate(model_id, "directory", locate, location.path))
     for name, source in host.model_sources().items():
+        if source.alias:
+            continue
 
         def materialise(name: str = name, materialise: Callable[[Settings], ModelLocation] = source.materialise) -> ModelLocation:
             return dataclasses.replace(materialise(settings), served_name=name)
 
         found[name] = Candidate(name, "plugin", materialise)
+    for name, location in (remembered or {}).items():
+        found.setdefault(name, remembered_candidate(name, location))
     return found
 
 
@@ -185,12 +198,36 @@ class _Releasing:
 
 @dataclass
 class ModelLifecycle:
-    """Loads and unloads in progress, the lock, and the requests running per model."""
+    """Loads and unloads in progress, the lock, the requests running per model, the
+    models served before (loadable again by their names) and recent load failures."""
 
     loading: set[str] = field(default_factory=set)
     unloading: set[str] = field(default_factory=set)
     locked: str | None = None
     running: dict[str, int] = field(default_factory=dict)  # served name -> admitted requests not ended
+    remembered: dict[str, ModelLocation] = field(default_factory=dict)  # served name -> where its files are
+    failed: dict[str, tuple[float, MillmError]] = field(default_factory=dict)  # id -> (when, why) of a failed load
+    switching: asyncio.Task[None] | None = None  # the switch in progress, owned by no request
+    # The last catalogue read: (when, candidates, their engines); see routes/lifecycle.scan.
+    scanned: tuple[float, dict[str, Candidate], dict[str, str | None]] | None = None
+
+    def remember(self, model: ServedModel) -> None:
+        """Keep where ``model``'s files are, so that its name stays loadable after it goes."""
+        if model.location is not None:
+            self.remembered[model.info.served_name] = model.location
+
+    def recent_failure(self, name: str) -> MillmError | None:
+        """The error of a load of ``name`` that failed in the last ``LOAD_FAILURE_MEMORY_S``
+        seconds: a request naming it gets that answer again instead of another attempt
+        (and another eviction)."""
+        seen = self.failed.get(name)
+        if seen is None:
+            return None
+        when, error = seen
+        if time.monotonic() - when > LOAD_FAILURE_MEMORY_S:
+            del self.failed[name]
+            return None
+        return error
 
     @property
     def busy(self) -> bool:

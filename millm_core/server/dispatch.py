@@ -261,6 +261,7 @@ async def dispatch(
     reported: Sequence[str] = (),
     rename: Callable[[str], str] | None = None,
     unreported: Callable[[str], bool] | None = None,
+    may_switch: bool = True,
 ) -> Dispatched:
     """Serve ``body`` on ``endpoint`` (``"chat.completions"``, ``"completions"``,
     ``"embeddings"``) through the one request pipeline, and return what its route would
@@ -280,6 +281,10 @@ async def dispatch(
       field locations (before ``rename``) that are not reported at all, nor refused under
       ``X-miLLM-Strict``: parts of the body the caller made itself, not its client (a
       stored conversation it replays).
+    - ``may_switch``: False for work that must never evict the model live traffic uses (a
+      batch line): naming a model that is not loaded then answers ``503 model_busy`` while
+      another model is loaded, instead of unloading it (``--auto-load``); with no model
+      loaded it loads the model as any request does.
 
     With ``stream: true`` an admitted request answers 200 at once and its frames arrive
     through :meth:`Dispatched.events`; read them to the end or close the reply
@@ -303,6 +308,7 @@ async def dispatch(
             raw = decode_json(body) if isinstance(body, bytes) else msgspec.to_builtins(body) if isinstance(body, msgspec.Struct) else dict(body)
             admission = decode_body(state, endpoint, raw, request_id=rid, headers=seen, access_log=access_log)
             ignored = admission.ctx.ignored_fields
+            admission.ctx.may_switch = may_switch
             response = await respond_to(admission, guarded, reported=reported, rename=rename, unreported=unreported)
         except MillmError as exc:
             return _error(state, exc, rid, rename)

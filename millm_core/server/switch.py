@@ -15,8 +15,12 @@ the switch, in this order,
    plus what unloading the residents gives back, with the figures);
 4. ``millm_model_unloading``: a plugin may keep a resident (``409 weights_unsaved``, …).
 
-A load that fails once the residents are gone answers ``500 model_load_failed`` with the
-failure's message; readiness then answers 503 until a model is loaded again.
+The switch runs as a task of the server's, not of the request: a request that goes away
+mid-switch leaves it running to its end. A load that fails once the residents are gone
+answers ``500 model_load_failed`` with the failure's message; readiness then answers 503
+until a model is loaded again. A failed load is answered from memory for
+``LOAD_FAILURE_MEMORY_S`` seconds (no second eviction for it). Work that may not evict the
+live model (``ctx.may_switch`` false: batch lines) waits instead, unless nothing is loaded.
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ import asyncio
 
 import structlog
 
+from ..engine import EngineFactory, ModelLocation
 from ..errors import MillmError, ModelLoadFailed
-from ..registry import SwitchTarget
+from ..lifecycle import Candidate
+from ..registry import ServedModel, SwitchTarget
 from .pipeline import Admission, check_field_policy, problems_error, refuse_unused_if_strict
 from .routes.lifecycle import check_loadable, find_candidate, load_planned, locate_engine, on_model_thread, unload_now
+from .state import AppState
 
 log = structlog.get_logger("millm.lifecycle")
 
@@ -51,9 +58,14 @@ async def ensure_requested_model(admission: Admission) -> None:
     if candidate is None:
         return
     lifecycle.check_lock(name, "a request for")
+    if not ctx.may_switch and len(state.models):
+        raise lifecycle.busy_error(f"'{name}' is not loaded, and this request may not unload the model served now; it waits for '{name}'")
     if lifecycle.busy:
         doing = ", ".join(sorted(lifecycle.loading | lifecycle.unloading))
         raise lifecycle.busy_error(f"Another load or unload is in progress ({doing}); retry once it finishes")
+    failed = lifecycle.recent_failure(name)
+    if failed is not None:
+        raise failed  # a load that just failed is not tried again (nor the resident evicted for it)
     location, factory = await on_model_thread(state, lambda: locate_engine(state, candidate))
     target = SwitchTarget(name=name, engine=factory.name, capabilities=factory.capabilities, residents=tuple(m.info.served_name for m in state.models))
     check_field_policy(state, ctx, request, target.capabilities, target.engine, admission.refused_known)
@@ -65,15 +77,25 @@ async def ensure_requested_model(admission: Admission) -> None:
     await asyncio.to_thread(check_loadable, state, name, location, factory, residents)
     # Checked again: another request may have begun a switch while this one planned.
     lifecycle.check_lock(name, "a request for")
-    if lifecycle.busy or state.models.get(name) is not None:
-        if state.models.get(name) is not None:
-            return
+    if state.models.get(name) is not None:
+        return
+    if lifecycle.busy or list(state.models) != residents:
         raise lifecycle.busy_error(f"Another load or unload began meanwhile; retry once it finishes ({name})")
-    residents = list(state.models)
     for model in residents:
         state.host.model_unloading(state.app, model)  # a plugin may keep it: nothing is unloaded
     log.info("model_switch", model=name, unloading=[m.info.served_name for m in residents], request_id=ctx.request_id)
+    # The switch belongs to the server, not to this request: if its client leaves (or a
+    # batch line is cancelled) the switch still ends with a model loaded or a logged failure.
     lifecycle.loading.add(name)
+    task = asyncio.ensure_future(_switch(state, candidate, location, factory, residents))
+    lifecycle.switching = task
+    task.add_done_callback(_report)
+    await asyncio.shield(task)
+
+
+async def _switch(state: AppState, candidate: Candidate, location: ModelLocation, factory: EngineFactory, residents: list[ServedModel]) -> None:
+    """Unload ``residents``, then load ``candidate`` (marked loading until it ends)."""
+    lifecycle = state.lifecycle
     try:
         for model in residents:
             await unload_now(state, model)
@@ -82,6 +104,20 @@ async def ensure_requested_model(admission: Admission) -> None:
         except MillmError as exc:
             if not residents:
                 raise
-            raise ModelLoadFailed(f"loading '{name}' failed after {', '.join(repr(m.info.served_name) for m in residents)} was unloaded: {exc.message}") from exc
+            gone = ", ".join(repr(m.info.served_name) for m in residents)
+            state.load_error = f"ModelLoadFailed: {exc.message}"
+            raise ModelLoadFailed(f"loading '{candidate.id}' failed after {gone} was unloaded: {exc.message}") from exc
     finally:
-        lifecycle.loading.discard(name)
+        lifecycle.loading.discard(candidate.id)
+        lifecycle.switching = None
+
+
+def _report(task: asyncio.Task[None]) -> None:
+    """Log how a switch ended (its request may have left without reading it)."""
+    if task.cancelled():
+        log.warning("model_switch_cancelled")
+    elif task.exception() is not None:
+        error = task.exception()
+        log.warning("model_switch_failed", code=getattr(error, "code", None), error=str(error))
+    else:
+        log.info("model_switch_done")

@@ -78,9 +78,11 @@ def cached_gguf_repos(root: str | None = None) -> dict[str, dict[str, str]]:
             continue
         repo = entry.removeprefix("models--").replace("--", "/", 1)
         snapshots = os.path.join(root, entry, "snapshots")
-        if not os.path.isdir(snapshots):
+        try:
+            revisions = sorted(os.listdir(snapshots))
+        except OSError:  # not a model repository, or gone while listed
             continue
-        for revision in sorted(os.listdir(snapshots)):
+        for revision in revisions:
             for directory, _, files in os.walk(os.path.join(snapshots, revision)):
                 for name in sorted(files):
                     tag = tag_of_filename(name) if name.endswith(".gguf") else None

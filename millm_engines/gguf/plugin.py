@@ -95,7 +95,9 @@ def _bare(repo: str, tags: dict[str, str]) -> ModelSource:
         tag, path = pick(repo, tags)
         return ModelLocation(path=path, served_name=f"{repo}:{tag}", quantization=tag, extra={"gguf_name": repo})
 
-    return ModelSource(name=repo, materialise=materialise, description=f"GGUF in the local Hugging Face cache ({', '.join(sorted(tags))})")
+    return ModelSource(
+        name=repo, materialise=materialise, description=f"GGUF in the local Hugging Face cache ({', '.join(sorted(tags))})", alias=True
+    )
 
 
 @hookimpl
@@ -113,6 +115,9 @@ def millm_resolve(ctx: Any, request: Any, models: ModelRegistry) -> ServedModel 
     from .naming import refuse_bare_name
 
     name = getattr(request, "model", None)
-    if isinstance(name, str) and models.get(name) is None:
-        refuse_bare_name(name, [m.info.served_name for m in models if m.info.engine == ENGINE])
+    if isinstance(name, str) and models.get(name) is None and ":" not in name:
+        from .naming import cached_gguf_repos, served_name
+
+        cached = [served_name(name, tag) for tag in cached_gguf_repos().get(name, {})]  # loadable by their tagged names
+        refuse_bare_name(name, sorted({*cached, *(m.info.served_name for m in models if m.info.engine == ENGINE)}))
     return None

@@ -92,35 +92,55 @@ def check_quantization(name: str, quantization: object) -> None:
 
 def _safetensors_bytes(file: str, width: int | None) -> int:
     """The bytes ``file``'s tensors take once loaded: floating tensors at ``width`` bytes
-    an element (None: as stored), others as stored."""
+    an element (None: as stored), others as stored. Raises ``ValueError`` for a header
+    that is not a safetensors header."""
     with open(file, "rb") as fh:
-        (length,) = struct.unpack("<Q", fh.read(8))
+        prefix = fh.read(8)
+        if len(prefix) != 8:
+            raise ValueError(f"{os.path.basename(file)}: too short for a safetensors header")
+        (length,) = struct.unpack("<Q", prefix)
         if length > _HEADER_LIMIT:
             raise ValueError(f"{os.path.basename(file)}: header of {length} bytes")
         header = json.loads(fh.read(length))
+    if not isinstance(header, dict):
+        raise ValueError(f"{os.path.basename(file)}: the header is not an object")
     total = 0
     for key, tensor in header.items():
-        if key == "__metadata__" or not isinstance(tensor, dict):
+        if key == "__metadata__":
             continue
+        shape = tensor.get("shape") if isinstance(tensor, dict) else None
+        stored = tensor.get("dtype") if isinstance(tensor, dict) else None
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise ValueError(f"{os.path.basename(file)}: tensor {key!r} has no valid shape")
+        if not isinstance(stored, str):
+            raise ValueError(f"{os.path.basename(file)}: tensor {key!r} has no dtype")
         count = 1
-        for dim in tensor.get("shape", []):
-            count *= int(dim)
-        stored = tensor.get("dtype", "")
-        if stored in _FLOATS:
-            total += count * (width or _FLOATS[stored])
-        else:
-            total += count * _OTHERS.get(stored, 1)
+        for dim in shape:
+            count *= dim
+        total += count * ((width or _FLOATS[stored]) if stored in _FLOATS else _OTHERS.get(stored, 1))
     return total
+
+
+def _weight_files(path: str) -> list[str]:
+    """The safetensors files a load reads: those the index names when there is one (a
+    folder may also hold a consolidated copy the load never reads), else every one."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as fh:
+            weight_map = json.load(fh).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError("model.safetensors.index.json has no weight_map")
+        return [os.path.join(path, name) for name in sorted({str(v) for v in weight_map.values()})]
+    return [os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(".safetensors")]
 
 
 def weights_bytes(path: str, width: int | None) -> int:
     """What the checkpoint's weights take once loaded: from its safetensors headers, else
     (pickled weights) the size of its weight files."""
-    names = sorted(os.listdir(path))
-    tensors = [os.path.join(path, n) for n in names if n.endswith(".safetensors")]
+    tensors = _weight_files(path)
     if tensors:
         return sum(_safetensors_bytes(f, width) for f in tensors)
-    return sum(os.path.getsize(os.path.join(path, n)) for n in names if n.endswith((".bin", ".pt", ".pth")))
+    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth")))
 
 
 def preflight(location: ModelLocation, settings: Settings) -> LoadPlan:
@@ -131,8 +151,7 @@ def preflight(location: ModelLocation, settings: Settings) -> LoadPlan:
     check_quantization(location.served_name, quantization)
     dtype = chosen_dtype(settings.dtype, config.get("dtype") or config.get("torch_dtype"), lean_step(config, settings))
     width = None if quantization is not None else SERVED_WIDTH[dtype]
-    try:
-        need = weights_bytes(location.path, width)
-    except (OSError, ValueError, struct.error):
-        need = 0  # unreadable headers: the load itself will say what is wrong
+    # Unreadable or malformed weight files raise: the core refuses the load before it
+    # unloads anything (model_load_failed).
+    need = weights_bytes(location.path, width)
     return LoadPlan(need={"cpu": need}, free={"cpu": host_available_bytes()})

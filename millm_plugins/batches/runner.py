@@ -197,7 +197,8 @@ class Runner:
 
     async def _until_model(self, stopping: Callable[[], bool]) -> None:
         """Wait for a model to be loaded; with ``--auto-load`` a line loads the model it
-        names itself (a line naming none that can be loaded then waits on its 503)."""
+        names itself while none is loaded (it never unloads one: a line naming another
+        model than the one served waits, on its 503 model_busy, for that model)."""
         if self.app.settings.auto_load:
             return
         while not len(self.app.models) and not stopping():
@@ -303,7 +304,7 @@ class Runner:
         reply: Dispatched | None = None
         attempt = 0
         while True:
-            reply = await dispatch(self.app, endpoint, body)
+            reply = await dispatch(self.app, endpoint, body, may_switch=False)  # a batch never evicts the live model
             if reply.status != 503:
                 break
             if self._code(reply) in MODEL_WAIT:

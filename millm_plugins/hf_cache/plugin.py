@@ -42,19 +42,32 @@ def cached_checkpoints(root: str | None = None) -> dict[str, str]:
     if not os.path.isdir(root):
         return found
     for entry in sorted(os.listdir(root)):
-        snapshots = os.path.join(root, entry, "snapshots")
-        if not entry.startswith("models--") or not os.path.isdir(snapshots):
+        if not entry.startswith("models--"):
             continue
-        repo = entry.removeprefix("models--").replace("--", "/", 1)
-        ref = os.path.join(root, entry, "refs", "main")
-        main = open(ref).read().strip() if os.path.isfile(ref) else None
-        revisions = sorted(os.listdir(snapshots), key=lambda r: (r == main, os.path.getmtime(os.path.join(snapshots, r))))
-        for revision in reversed(revisions):
-            snapshot = os.path.join(snapshots, revision)
-            if os.path.isfile(os.path.join(snapshot, "config.json")):
-                found[repo] = snapshot
-                break
+        try:
+            snapshot = _snapshot(os.path.join(root, entry))
+        except OSError:  # unreadable, or gone while listed: not offered
+            continue
+        if snapshot is not None:
+            found[entry.removeprefix("models--").replace("--", "/", 1)] = snapshot
     return found
+
+
+def _snapshot(repo_dir: str) -> str | None:
+    """The snapshot of a cached repository that holds a checkpoint: the one ``refs/main``
+    names, else the newest."""
+    snapshots = os.path.join(repo_dir, "snapshots")
+    ref = os.path.join(repo_dir, "refs", "main")
+    main = None
+    if os.path.isfile(ref):
+        with open(ref) as fh:
+            main = fh.read().strip()
+    revisions = sorted(os.listdir(snapshots), key=lambda r: (r == main, os.path.getmtime(os.path.join(snapshots, r))))
+    for revision in reversed(revisions):
+        snapshot = os.path.join(snapshots, revision)
+        if os.path.isfile(os.path.join(snapshot, "config.json")):
+            return snapshot
+    return None
 
 
 @hookimpl(trylast=True)

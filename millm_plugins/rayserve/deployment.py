@@ -18,12 +18,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+import structlog
 from ray import serve
 from ray.serve import Application
 
 from millm_core.api import ConfigError, Settings, configure_logging, serving_app
 
 from .replica import PLUGIN, PLUGIN_NAME, ReplicaApp
+
+log = structlog.get_logger("millm.ray")
 
 APP_NAME = "millm"
 DEPLOYMENT = "millm"
@@ -63,6 +67,12 @@ def build_app(
     would have a database of its own: nothing would be shared)."""
     if num_replicas > 1 and settings.db == ":memory:":
         raise ConfigError("--db :memory: gives each replica a database of its own: name a database file the replicas share")
+    if settings.auto_load:
+        # A request naming another model would switch only the replica that got it: the
+        # replicas would then serve different models, and routing would switch them back
+        # and forth. Every replica serves the model it started with.
+        log.info("auto_load_off_under_ray", reason="a switch would reach one replica only")
+        settings = msgspec.structs.replace(settings, auto_load=False)
     deployment = serve.deployment(
         name=DEPLOYMENT,
         num_replicas=num_replicas,

@@ -5,6 +5,7 @@ finalizing, and list parameters that are not ASCII digits."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import socket
 import sqlite3
@@ -140,6 +141,28 @@ def test_a_batch_line_loads_the_model_it_names(tiny_dir: str, tmp_path: pathlib.
         assert _state_of(srv, "tiny") == "loaded"
     assert done.status == "completed" and done.request_counts is not None
     assert (done.request_counts.completed, done.request_counts.failed) == (3, 0)
+
+
+def test_a_batch_never_evicts_the_model_live_traffic_uses(tiny_dir: str, tmp_path: pathlib.Path) -> None:
+    """Its lines wait for the model they name while another is loaded (503 model_busy,
+    spending no retry), and run once it is loaded."""
+    (tmp_path / "roots").mkdir()
+    os.symlink(tiny_dir, tmp_path / "roots" / "tiny-b")
+    with roots_server(tiny_dir, tmp_path) as srv:
+        assert api(srv, "/api/models/tiny/load").status_code == 200
+        client = sdk(srv.base_url)
+        body = {"model": "tiny-b", "prompt": "Item:", "max_tokens": 2, "temperature": 0}
+        batch = submit(client, jsonl([line("a", body, COMPLETIONS)]), endpoint=COMPLETIONS)
+        wait(client, batch.id, until={"in_progress"})
+        time.sleep(1.5)  # the line met 503 model_busy at least once
+        waiting = client.batches.retrieve(batch.id)
+        assert waiting.status == "in_progress" and waiting.request_counts is not None
+        assert (waiting.request_counts.completed, waiting.request_counts.failed) == (0, 0)
+        assert (_state_of(srv, "tiny"), _state_of(srv, "tiny-b")) == ("loaded", "available")
+        assert api(srv, "/api/models/tiny-b/load").status_code == 200
+        done = wait(client, batch.id, timeout=60)
+        assert _state_of(srv, "tiny") == "loaded"
+    assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 1
 
 
 def test_a_batch_whose_input_file_is_gone_fails(tiny_dir: str, tmp_path: pathlib.Path) -> None:

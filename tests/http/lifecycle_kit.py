@@ -9,9 +9,11 @@ import time
 from typing import Any
 
 import httpx
+from starlette.applications import Starlette
 
 from millm_core.api import AppContext, ForwardPlan, RequestContext, ServedModel, hookimpl
 from millm_core.config import load_settings
+from millm_core.registry import ModelRegistry
 from millm_core.server.app import build_host, create_app
 from millm_core.testing import RunningServer
 
@@ -81,7 +83,9 @@ def make_roots(root: Any, tiny_dir: str, tiny_dir_no_template: str) -> str:
     return str(root)
 
 
-def serve_roots(roots: str, *plugins: object, **overrides: Any) -> RunningServer:
+def roots_app(roots: str, *plugins: object, models: list[ServedModel] | None = None, **overrides: Any) -> Starlette:
+    """The app of a server over ``roots`` with ``plugins`` registered (and ``models``
+    already loaded)."""
     host = build_host(load_settings(environ={}))
     for index, plugin in enumerate(plugins):
         host.register(plugin, f"test-lifecycle-{index}")
@@ -90,7 +94,16 @@ def serve_roots(roots: str, *plugins: object, **overrides: Any) -> RunningServer
         environ={},
         plugin_settings=host.plugin_settings(),
     )
-    return RunningServer(create_app(settings, host=host))
+    registry = None
+    if models is not None:
+        registry = ModelRegistry()
+        for model in models:
+            registry.add(model)
+    return create_app(settings, host=host, models=registry)
+
+
+def serve_roots(roots: str, *plugins: object, models: list[ServedModel] | None = None, **overrides: Any) -> RunningServer:
+    return RunningServer(roots_app(roots, *plugins, models=models, **overrides))
 
 
 def post(srv: RunningServer, path: str, body: dict[str, Any] | None = None, **kw: Any) -> httpx.Response:

@@ -6,6 +6,7 @@ failing after the unload says so; plugin state tied to the model follows the res
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import struct
@@ -24,7 +25,7 @@ from millm_engines.transformers.testing import build_tiny_model
 
 from ..steering.test_inline import parse
 from ..steering.test_sae_api import write_sae
-from .lifecycle_kit import CHAT, Gate, entries, make_roots, post, serve_roots, wait_for_state
+from .lifecycle_kit import CHAT, Gate, entries, make_roots, post, roots_app, serve_roots, wait_for_state
 
 GREEDY = {"prompt": "the cat sat on", "max_tokens": 8, "temperature": 0}
 
@@ -58,6 +59,11 @@ def roots(tmp_path_factory: pytest.TempPathFactory, tiny_dir: str, tiny_dir_no_t
     os.symlink(gguf_path, root / "tiny.gguf")
     _huge_checkpoint(root / "huge", tiny_dir)
     _quantized_checkpoint(root / "tiny-gptq", tiny_dir)
+    garbled = root / "garbled"  # a checkpoint whose safetensors header is no header
+    garbled.mkdir()
+    (garbled / "config.json").write_text(Path(tiny_dir, "config.json").read_text())
+    header = b'["not", "a", "header"]'
+    (garbled / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
     build_tiny_model(str(root / "narrow"), hidden_size=32, seed=3)  # another residual width
     return str(root)
 
@@ -127,6 +133,7 @@ def test_a_refused_request_never_evicts_the_resident(srv: RunningServer, gate: G
         ("tiny.gguf", {"return_sae_activations": {"top_k": 4}}, {}, 400, "field_not_honoured", "return_sae_activations"),  # nor taps
         ("tiny-gptq", {}, {}, 400, "unsupported_quantization", "model"),
         ("huge", {}, {}, 503, "insufficient_memory", "model"),
+        ("garbled", {}, {}, 500, "model_load_failed", None),  # unreadable weights: refused before the unload
     ]
     for model, extra, headers, status, code, param in cases:
         resp = post(srv, "/v1/completions", {"model": model, **GREEDY, **extra}, headers=headers)
@@ -188,6 +195,10 @@ def test_a_load_failing_after_the_unload_says_so(srv: RunningServer, roots: str)
     assert _loaded(srv) == [] and httpx.get(srv.base_url + "/api/health/ready").status_code == 503
     assert _complete(srv, "tiny").status_code == 200  # a request naming a model loads it again
     assert httpx.get(srv.base_url + "/api/health/ready").status_code == 200
+    # A load that just failed is answered from memory: no second attempt, no second eviction.
+    again = _complete(srv, "broken")
+    assert again.status_code == 500 and again.json()["error"]["code"] == "model_load_failed"
+    assert _loaded(srv) == ["tiny"]
 
 
 def test_without_auto_load_another_name_is_not_found(roots: str) -> None:
@@ -265,3 +276,98 @@ def test_armed_probes_follow_the_resident(srv: RunningServer, tiny_engine: Any) 
     assert [p["id"] for p in httpx.get(srv.base_url + "/api/probes?armed=true").json()["data"]] == ["sea"]
     back = prompt_result("tiny")
     assert back["outcome"] == "scored" and back["score"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_a_gguf_file_is_served_under_the_name_it_was_asked_by(srv: RunningServer, gate: Gate) -> None:
+    switched = _complete(srv, "tiny.gguf")
+    assert switched.status_code == 200 and switched.json()["model"] == "tiny.gguf", switched.text
+    assert _loaded(srv) == ["tiny.gguf"] and _complete(srv, "tiny.gguf").status_code == 200
+    assert gate.events == ["loaded:tiny:0", "unloaded:tiny:0", "loaded:tiny.gguf:0"]  # loaded once
+    assert _complete(srv, "tiny").status_code == 200 and _loaded(srv) == ["tiny"]
+
+
+def test_gguf_repositories_named_without_their_tag_load_nothing(
+    roots: str, gguf_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for repo, files in (("One-GGUF", ["one.F32.gguf"]), ("Two-GGUF", ["two.F32.gguf", "two.Q8_0.gguf"])):
+        snapshot = tmp_path / f"models--acme--{repo}" / "snapshots" / "0123abcd"
+        snapshot.mkdir(parents=True)
+        for name in files:
+            os.symlink(gguf_path, snapshot / name)
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    with serve_roots(roots) as srv:
+        assert post(srv, "/api/models/tiny/load").status_code == 200
+        one = _complete(srv, "acme/One-GGUF")
+        assert one.status_code == 404 and one.json()["error"]["code"] == "model_not_found", one.text
+        assert "'acme/One-GGUF:F32'" in one.json()["error"]["message"]
+        two = _complete(srv, "acme/Two-GGUF")
+        assert two.status_code == 400 and two.json()["error"]["code"] == "ambiguous_model_name", two.text
+        assert _loaded(srv) == ["tiny"]
+        tagged = _complete(srv, "acme/One-GGUF:F32")
+        assert tagged.status_code == 200 and tagged.json()["model"] == "acme/One-GGUF:F32"
+
+
+def test_the_model_served_at_start_stays_loadable_by_its_name(roots: str, tiny_dir: str) -> None:
+    """A model served under a name no catalogue lists (--model with --served-name) can be
+    named again after a switch took it away."""
+    from millm_core.api import ModelLocation
+    from millm_core.config import load_settings
+    from millm_engines.transformers.loader import load_engine
+
+    location = ModelLocation(path=tiny_dir, served_name="prod")
+    engine = load_engine(location, load_settings({}, environ={}))
+    with serve_roots(roots, models=[ServedModel(info=engine.info, engine=engine, location=location)]) as srv:
+        before = _complete(srv, "prod")
+        assert before.status_code == 200
+        assert _complete(srv, "tiny-b").status_code == 200 and _loaded(srv) == ["tiny-b"]
+        assert entries(srv)["prod"]["source"] == "loaded"
+        back = _complete(srv, "prod")
+        assert back.status_code == 200 and back.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+        assert _loaded(srv) == ["prod"]
+
+
+def test_a_lock_waits_out_a_switch(srv: RunningServer, gate: Gate) -> None:
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(post, srv, "/v1/chat/completions", {"model": "tiny", **CHAT, "max_tokens": 2}, headers={"X-Gate": "1"})
+        assert gate.entered.wait(30)
+        switching = pool.submit(_complete, srv, "tiny-b")
+        wait_for_state(srv, "tiny", "unloading")
+        for path in ("/api/models/tiny/lock", "/api/models/tiny/unlock"):
+            refused = post(srv, path)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_busy", (path, refused.text)
+        gate.opened.set()
+        assert running.result(60).status_code == 200 and switching.result(120).status_code == 200
+    assert _loaded(srv) == ["tiny-b"] and post(srv, "/api/models/tiny-b/lock").status_code == 200
+
+
+def test_a_switch_outlives_the_request_that_began_it(roots: str) -> None:
+    """The request that began a switch goes away (its client left, its batch was
+    cancelled): the switch still ends with the model it named loaded and served."""
+    gate = Gate(pause=0.05)  # the held request runs about 3 s, a token at a time
+    gate.opened.set()
+    app = roots_app(roots, gate)
+
+    async def main() -> None:
+        async with app.router.lifespan_context(app):
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://millm", timeout=60)
+            assert (await client.post("/api/models/tiny/load", json={})).status_code == 200
+            body = {"model": "tiny", **CHAT, "max_tokens": 60}
+            held = asyncio.ensure_future(client.post("/v1/chat/completions", json=body, headers={"X-Gate": "1"}))
+            assert await asyncio.to_thread(gate.entered.wait, 30)
+            with pytest.raises(TimeoutError):  # the switch waits for the held request: its client gives up
+                await asyncio.wait_for(client.post("/v1/completions", json={"model": "tiny-b", **GREEDY}), 1.0)
+            states = {e["id"]: e["state"] for e in (await client.get("/api/models")).json()["data"]}
+            assert (states["tiny"], states["tiny-b"]) == ("unloading", "loading")
+            assert (await held).status_code == 200
+            for _ in range(600):
+                states = {e["id"]: e["state"] for e in (await client.get("/api/models")).json()["data"]}
+                if states["tiny-b"] == "loaded":
+                    break
+                await asyncio.sleep(0.05)
+            assert (states["tiny"], states["tiny-b"]) == ("available", "loaded")
+            assert (await client.get("/api/health/ready")).status_code == 200
+            assert (await client.post("/v1/completions", json={"model": "tiny-b", **GREEDY})).status_code == 200
+
+    asyncio.run(main())

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
+import msgspec
 import structlog
 from starlette.requests import Request
 from starlette.responses import Response
@@ -22,7 +24,7 @@ from starlette.responses import Response
 from ...codec import encode
 from ...engine import Engine, EngineFactory, LoadPlan, ModelLocation
 from ...errors import ConfigError, MillmError, ModelLoadFailed, ModelLocked, ModelNotFound, OutOfMemory
-from ...lifecycle import Candidate, ModelCatalog, ModelEntry, candidates, engine_for, marked
+from ...lifecycle import Candidate, ModelCatalog, ModelEntry, candidates, engine_for, marked, remembered_candidate
 from ...loading import choose_engine
 from ...openapi import RouteDoc
 from ...registry import ServedModel
@@ -33,6 +35,8 @@ T = TypeVar("T")
 
 # Cancelled requests leave the model within a decode step; this long at most is waited for them.
 CANCEL_GRACE_S = 5.0
+# The catalogue (model roots, plugins' sources) is read again at most this often.
+SCAN_TTL_S = 2.0
 
 
 def _json(entry: ModelEntry | ModelCatalog) -> Response:
@@ -53,14 +57,36 @@ def _entry(state: AppState, name: str, candidate: Candidate | None, engine: str 
 
 def _scan(state: AppState) -> tuple[dict[str, Candidate], dict[str, str | None]]:
     """The loadable models and the engine each would use (off the event loop: it reads
-    directories, and an engine's check may import its library)."""
-    found = candidates(state.settings, state.host)
-    return found, {name: engine_for(c, state.settings, state.host) for name, c in found.items()}
+    directories, and an engine's check may import its library). A catalogue that cannot
+    be read (a directory gone mid-scan, a plugin's failure) is logged and counts as empty:
+    listing models never fails a request."""
+    try:
+        found = candidates(state.settings, state.host)
+        return found, {name: engine_for(c, state.settings, state.host) for name, c in found.items()}
+    except Exception:  # noqa: BLE001 - a broken catalogue must not turn /v1/models into a 500
+        log.exception("model_catalogue_unreadable")
+        return {}, {}
+
+
+async def scan(state: AppState) -> tuple[dict[str, Candidate], dict[str, str | None]]:
+    """:func:`_scan`, read again at most every ``SCAN_TTL_S`` seconds, and the models this
+    server served before under their names."""
+    lifecycle = state.lifecycle
+    cached = lifecycle.scanned
+    if cached is None or time.monotonic() - cached[0] > SCAN_TTL_S:
+        found, engines = await asyncio.to_thread(_scan, state)
+        lifecycle.scanned = cached = (time.monotonic(), found, engines)
+    found, engines = dict(cached[1]), dict(cached[2])
+    for name, location in lifecycle.remembered.items():
+        if name not in found:
+            found[name] = remembered_candidate(name, location)
+            engines[name] = engine_for(found[name], state.settings, state.host)
+    return found, engines
 
 
 async def catalog(state: AppState) -> ModelCatalog:
     """The loaded models first, then every other model the server could load, by id."""
-    found, engines = await asyncio.to_thread(_scan, state)
+    found, engines = await scan(state)
     names = [m.info.served_name for m in state.models]
     names += sorted(n for n in {*found, *state.lifecycle.loading} if n not in names)
     return ModelCatalog(data=[_entry(state, name, found.get(name), engines.get(name)) for name in names])
@@ -125,7 +151,13 @@ def _released(state: AppState, residents: Sequence[ServedModel]) -> dict[str, in
 def locate_engine(state: AppState, candidate: Candidate) -> tuple[ModelLocation, EngineFactory]:
     """Where ``candidate``'s files are and the engine that would load them. On the model
     thread (locating may convert files once)."""
-    location = candidate.locate()
+    try:
+        location = candidate.locate()
+    except MillmError:
+        raise
+    except Exception as exc:
+        log.warning("model_locate_failed", model=candidate.id, error=str(exc))
+        raise ModelLoadFailed(f"'{candidate.id}' cannot be located ({type(exc).__name__}); the server log has the details") from exc
     try:
         return location, choose_engine(location, state.settings, state.host)
     except ConfigError as exc:
@@ -135,10 +167,18 @@ def locate_engine(state: AppState, candidate: Candidate) -> tuple[ModelLocation,
 def check_loadable(state: AppState, name: str, location: ModelLocation, factory: EngineFactory, residents: Sequence[ServedModel] = ()) -> None:
     """Before anything is unloaded: the engine's preflight passes (a quantization it
     cannot load is its typed refusal) and the weights fit in what is free plus what
-    unloading ``residents`` gives back. Reads files: off the event loop."""
-    if factory.preflight is not None:
+    unloading ``residents`` gives back. Reads files: off the event loop. A preflight that
+    fails otherwise is ``model_load_failed``, still before anything is unloaded."""
+    if factory.preflight is None:
+        return
+    try:
         plan = factory.preflight(location, state.settings)
-        check_memory(name, plan, _released(state, residents), [m.info.served_name for m in residents])
+    except MillmError:
+        raise
+    except Exception as exc:
+        log.warning("model_preflight_failed", model=name, error=str(exc))
+        raise ModelLoadFailed(f"'{name}' cannot be loaded: its files could not be read ({type(exc).__name__})") from exc
+    check_memory(name, plan, _released(state, residents), [m.info.served_name for m in residents])
 
 
 def _load_on_model_thread(state: AppState, candidate: Candidate, location: ModelLocation, factory: EngineFactory) -> ServedModel:
@@ -163,7 +203,8 @@ def _load_on_model_thread(state: AppState, candidate: Candidate, location: Model
         ) from exc
     if not isinstance(engine, Engine):
         raise ModelLoadFailed(f"the {factory.name} engine plugin's load() returned no Engine for '{candidate.id}'")
-    return ServedModel(info=engine.info, engine=engine, location=location)
+    # Served under the name it was asked for, whatever its engine would call it.
+    return ServedModel(info=msgspec.structs.replace(engine.info, served_name=candidate.id), engine=engine, location=location)
 
 
 def on_model_thread(state: AppState, fn: Callable[[], T]) -> Awaitable[T]:
@@ -173,22 +214,29 @@ def on_model_thread(state: AppState, fn: Callable[[], T]) -> Awaitable[T]:
 
 async def find_candidate(state: AppState, name: str) -> Candidate | None:
     """The loadable model ``name`` names (directories are read off the event loop)."""
-    return (await asyncio.to_thread(candidates, state.settings, state.host)).get(name)
+    return (await scan(state))[0].get(name)
 
 
 async def load_planned(state: AppState, candidate: Candidate, location: ModelLocation, factory: EngineFactory) -> ServedModel:
     """Load a planned model and serve it (the caller marks it loading): the plugins'
     ``millm_model_loaded`` hooks run before it joins the registry."""
     name = candidate.id
+    lifecycle = state.lifecycle
     try:
         model = await on_model_thread(state, lambda: _load_on_model_thread(state, candidate, location, factory))
         state.host.model_loaded(state.app, model)
+        if state.models.get(name) is not None:  # never replace a served model behind its hooks' back
+            raise ModelLoadFailed(f"'{name}' was loaded meanwhile; this load was dropped")
     except MillmError as exc:
         log.warning("model_load_failed", model=name, code=exc.code)
+        lifecycle.failed[name] = (time.monotonic(), exc)
         raise
     except Exception as exc:
         log.exception("model_load_failed", model=name)
-        raise ModelLoadFailed(f"loading '{name}' failed ({type(exc).__name__}); the server log has the details") from exc
+        error = ModelLoadFailed(f"loading '{name}' failed ({type(exc).__name__}); the server log has the details")
+        lifecycle.failed[name] = (time.monotonic(), error)
+        raise error from exc
+    lifecycle.failed.pop(name, None)
     state.models.add(model)
     log.info("model_loaded", model=name, engine=model.info.engine)
     return model
@@ -223,6 +271,7 @@ async def unload_now(state: AppState, model: ServedModel) -> None:
     of the registry, the plugins' ``millm_model_unloaded`` hooks, its memory freed."""
     lifecycle = state.lifecycle
     name = model.info.served_name
+    lifecycle.remember(model)  # its name stays loadable
     async with marked(lifecycle.unloading, name):
         timeout = state.settings.graceful_unload_timeout
         if not await lifecycle.drain(name, timeout):
@@ -230,6 +279,8 @@ async def unload_now(state: AppState, model: ServedModel) -> None:
             log.warning("unload_cancelled_requests", model=name, after_s=timeout, jobs=cancelled)
             await lifecycle.drain(name, CANCEL_GRACE_S)
         state.models.remove(name)
+        if lifecycle.locked == name:
+            lifecycle.locked = None
         state.host.model_unloaded(state.app, model)
         del model
         await on_model_thread(state, gc.collect)  # the weights go now, not whenever the collector runs
@@ -248,7 +299,7 @@ async def unload_model(state: AppState, name: str) -> ModelEntry:
         raise lifecycle.busy_error("Another load or unload is in progress; retry once it finishes")
     state.host.model_unloading(state.app, model)  # a plugin may keep it (409 weights_unsaved, …)
     await unload_now(state, model)
-    found, engines = await asyncio.to_thread(_scan, state)
+    found, engines = await scan(state)
     return _entry(state, name, found.get(name), engines.get(name))
 
 
@@ -265,8 +316,11 @@ async def unload(request: Request) -> Response:
 
 
 def _loaded(state: AppState, name: str) -> None:
+    """A lock or unlock concerns a loaded model, and waits out any load or unload."""
     if state.models.get(name) is None:
         raise ModelNotFound(f"The model '{name}' is not loaded on this server; load it first", param="model")
+    if state.lifecycle.busy:
+        raise state.lifecycle.busy_error("A load or unload is in progress; retry once it finishes")
 
 
 async def lock(request: Request) -> Response:
