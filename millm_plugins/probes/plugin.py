@@ -37,10 +37,11 @@ from millm_plugins.scoring.plugin import is_scoring
 from . import api, api_score, header
 from .book import ProbeBook
 from .events import EventLog
+from .gates import check_limit
 from .live import AltRender, monitor_for, not_monitored, request_trace
 from .monitor import Monitor
 from .results import ordered
-from .settings import ALL, EVENTS_MAX
+from .settings import ALL, EVENTS_MAX, MAX_ARMED
 from .state import STATE, ProbesState, state_of
 from .windows import blanked, last_user_index
 
@@ -65,17 +66,22 @@ def millm_register_routes(register: Callable[..., None]) -> None:
 
 @hookimpl
 def millm_startup(app: AppContext) -> None:
-    """Migrate the plugin's tables and read the probes and their arming back."""
-    app.stash[STATE] = ProbesState(
-        book=ProbeBook(store=app.store), events=EventLog(store=app.store, keep=int(EVENTS_MAX.get(app.settings)))
-    )
+    """Migrate the plugin's tables, read the probes and their arming back, and keep
+    watching the database for other servers' writes (a database file only)."""
+    limit = int(MAX_ARMED.get(app.settings))
+    book = ProbeBook(store=app.store, limit_gate=lambda armed_ids, probe_id: check_limit(armed_ids, probe_id, limit))
+    app.stash[STATE] = ProbesState(book=book, events=EventLog(store=app.store, keep=int(EVENTS_MAX.get(app.settings))))
+    book.start_watching()
 
 
 @hookimpl
 def millm_shutdown(app: AppContext) -> None:
-    """Write the probe results still queued for the events log before the database closes."""
+    """Stop watching the database, and write the probe results still queued for the events
+    log before it closes."""
     if STATE in app.stash:
-        state_of(app).events.close()
+        state = state_of(app)
+        state.book.stop_watching()
+        state.events.close()
 
 
 @hookimpl(trylast=True)

@@ -30,6 +30,7 @@ import structlog
 
 from millm_core.api import Capability, InvalidRequest, MillmError, ModelInfo, NotFound, ServedModel, Store
 
+from .. import watching
 from . import live as persisted
 from .inline import SAENotAttached
 from .live import Entry, Live, Unusable
@@ -43,8 +44,7 @@ MIGRATIONS: tuple[str, ...] = (
     *persisted.VERSIONING,
 )
 STARTUP_WAIT_S = 10.0  # start-up writes may wait for another server's lock this long
-REFRESH_S = 0.1  # how often a server looks for another server's writes
-CONSISTENT_READ_TRIES = 5  # re-reads when a write lands in the middle of one
+REFRESH_S = watching.REFRESH_S  # how often a server looks for another server's writes
 
 _ID = re.compile(r"^[A-Za-z0-9._\-]{1,128}$")
 
@@ -221,13 +221,8 @@ class SteeringState:
         (blocking). Consistent without a write lock: the reads count only if the version
         did not move while they ran (every write moves it)."""
         query: persisted.Query = self.store.query
-        for _ in range(CONSISTENT_READ_TRIES):
-            if persisted.version(query) == self.live.version:
-                return None
-            stored, registered = persisted.load(query)
-            if persisted.version(query) == stored.version:
-                return self._complete(stored, registered)
-        return None  # written to without a pause: the next look will do
+        read = watching.consistent_read(lambda: persisted.version(query), self.live.version, lambda: persisted.load(query), lambda s: s[0].version)
+        return self._complete(*read) if read is not None else None  # None: unchanged, or written to without a pause
 
     async def refresh(self) -> Live:
         """The current snapshot, after re-reading the database (off the event loop) if
@@ -238,14 +233,7 @@ class SteeringState:
     async def watch(self) -> None:
         """Pick up other servers' writes every ``REFRESH_S`` for as long as the app runs,
         so that a request (which reads the snapshot only) runs with them."""
-        while True:
-            await asyncio.sleep(REFRESH_S)
-            try:
-                await self.refresh()
-            except MillmError as exc:  # database_busy and the like: look again next time
-                log.debug("steering_refresh_failed", error=exc.message)
-            except Exception:  # noqa: BLE001 - a watcher that dies would leave the state stale for good
-                log.exception("steering_refresh_failed")
+        await watching.watch(self.refresh, log, "steering_refresh_failed", REFRESH_S)
 
     # ------------------------------------------------------------------ writes
 
@@ -373,13 +361,8 @@ class SteeringState:
     def start_watching(self) -> None:
         """Start :meth:`watch` on the running event loop (a database file only: nothing
         else can write to a ``:memory:`` one)."""
-        if self.store.path == ":memory:" or self.watcher is not None:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # started outside a server (a script): nothing serves requests
-            return
-        self.watcher = loop.create_task(self.watch(), name="millm-steering-watch")
+        if self.watcher is None:  # stays None outside a server (a script: nothing serves requests)
+            self.watcher = watching.start(self.store, self.watch, "millm-steering-watch")
 
     def stop_watching(self) -> None:
         if self.watcher is not None:
