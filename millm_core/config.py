@@ -10,6 +10,7 @@ from typing import Any, Generic, Literal, TypeVar, cast
 
 import msgspec
 
+from .dbdialect import check_db
 from .errors import ConfigError
 
 T = TypeVar("T")
@@ -197,6 +198,11 @@ def load_settings(
         raise ConfigError("--graceful-unload-timeout must be 0 or more seconds")
     if settings.read_timeout < 1:
         raise ConfigError("--read-timeout must be at least 1 second")
+    if settings.db is not None:
+        try:
+            check_db(settings.db)
+        except ValueError as exc:
+            raise ConfigError(f"--db: {exc}") from exc
     return settings
 
 

@@ -1,4 +1,6 @@
-"""Persistence: one SQLite database (``--db`` / ``MILLM_DB``) with numbered migrations.
+"""Persistence: one database (``--db`` / ``MILLM_DB``) with numbered migrations: a SQLite
+file by default, or PostgreSQL for servers on several machines (``--db
+postgresql://user@host:port/dbname``, see :mod:`.store_pg`; psycopg is imported only then).
 
 Feature plugins keep what must survive a restart here. Each plugin owns its tables: it
 calls :meth:`Store.migrate` with its own namespace and an append-only tuple of SQL
@@ -11,6 +13,10 @@ call waits at most ``BUSY_TIMEOUT_S`` for it, then raises :class:`DatabaseBusy` 
 ``database_busy`` with ``Retry-After``); SQLite says so by its error code (SQLITE_BUSY or
 SQLITE_LOCKED), never by message text. Reads use their own connection, so in WAL mode they
 never wait behind a write, ours or another process's.
+
+Plugins write SQLite's dialect (``?`` placeholders, ``INTEGER``/``REAL``/``BLOB`` columns,
+``INSERT OR IGNORE``, upserts); on PostgreSQL the store translates it (:mod:`.dbdialect`
+lists what it takes and what it refuses), so the same migrations run on both.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from .dbdialect import is_postgres_url
 from .errors import DatabaseBusy
 
 BUSY_TIMEOUT_S = 0.25
@@ -50,7 +57,17 @@ def default_db_path() -> str:
 
 
 class Store:
-    """A SQLite database at ``path`` (``":memory:"`` for a throwaway one)."""
+    """A SQLite database at ``path`` (``":memory:"`` for a throwaway one); for a
+    ``postgresql://`` or ``postgres://`` URL, a :class:`~.store_pg.PostgresStore`."""
+
+    def __new__(cls, path: str) -> Store:
+        if cls is Store and is_postgres_url(path):
+            try:
+                from .store_pg import PostgresStore
+            except ImportError as exc:
+                raise RuntimeError(f"a PostgreSQL --db needs psycopg: pip install 'millm[postgres]' ({exc})") from exc
+            return super().__new__(PostgresStore)
+        return super().__new__(cls)
 
     def __init__(self, path: str) -> None:
         if path != ":memory:":
@@ -91,7 +108,9 @@ class Store:
     @contextmanager
     def transaction(self, *, wait: float | None = None) -> Iterator[sqlite3.Connection]:
         """One write transaction: everything in the block commits together or not at all.
-        ``wait`` overrides how long it waits for another connection's lock (start-up work)."""
+        ``wait`` overrides how long it waits for another connection's lock (start-up work).
+        Writers run one at a time (SQLite's ``BEGIN IMMEDIATE``; PostgreSQL's advisory
+        lock): what the block reads is what it writes over."""
         with self._lock, _busy_is_503(self.path):
             if wait is not None:
                 self._wait(wait)

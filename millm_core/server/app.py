@@ -22,6 +22,7 @@ from starlette.routing import Route
 from ..config import Settings
 from ..context import AppContext, Endpoint
 from ..contracts import ENDPOINT_CONTRACTS
+from ..dbdialect import is_postgres_url, redact
 from ..errors import ConfigError, MillmError
 from ..fields import FieldPolicy
 from ..metrics import AccessMiddleware, Metrics
@@ -122,7 +123,7 @@ def create_app(
             store = Store(db)
         except Exception as exc:
             scheduler.shutdown()
-            app.state.startup_error = f"cannot open the database {db!r}: {exc}"
+            app.state.startup_error = f"cannot open the database {redact(db) if is_postgres_url(db) else db!r}: {exc}"
             raise ConfigError(app.state.startup_error) from exc
         metrics.watch_scheduler(scheduler.snapshot)
         render_pool = ThreadPoolExecutor(1, thread_name_prefix="millm-text")

@@ -13,12 +13,13 @@ directory (``--batch-data-dir``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import structlog
 
-from millm_core.api import AppContext, PluginSetting, RouteDoc, hookimpl
+from millm_core.api import AppContext, PluginSetting, RouteDoc, cache_root, hookimpl
 
 from .disk import DataDir, default_dir
 from .files import delete_file, file_content, get_file, list_files, upload_file
@@ -64,6 +65,9 @@ def millm_register_settings(register: Callable[[PluginSetting[Any]], None]) -> N
 def millm_startup(app: AppContext) -> None:
     store = BatchStore(app.store)
     configured = DATA_DIR.get(app.settings)
+    if not configured and "://" in app.store.path:  # a database server: no file to sit beside
+        configured = os.path.join(cache_root(app.settings), "batch-files")
+        log.warning("batch_data_dir_default", data_dir=configured, reason="the database is a server: set --batch-data-dir to a directory the servers share")
     disk = DataDir(configured or (None if app.store.path == ":memory:" else default_dir(app.store.path)))
     running = disk.lock()
     if running:

@@ -48,7 +48,7 @@ MIGRATIONS = (
     "failed INTEGER NOT NULL DEFAULT 0, input_tokens INTEGER NOT NULL DEFAULT 0, output_tokens INTEGER NOT NULL DEFAULT 0, "
     "reasoning_tokens INTEGER NOT NULL DEFAULT 0, out_id TEXT NOT NULL, err_id TEXT NOT NULL)",
     "CREATE TABLE batch_lines (batch_id TEXT NOT NULL, line INTEGER NOT NULL, custom_id TEXT NOT NULL, "
-    "offset INTEGER NOT NULL, length INTEGER NOT NULL, state TEXT NOT NULL DEFAULT 'pending', result BLOB, "
+    "\"offset\" INTEGER NOT NULL, length INTEGER NOT NULL, state TEXT NOT NULL DEFAULT 'pending', result BLOB, "
     "PRIMARY KEY (batch_id, line))",
 )
 _FILE_COLUMNS = "id, filename, purpose, bytes, created_at"
@@ -240,7 +240,7 @@ class BatchStore:
             ).rowcount
             if updated:
                 conn.executemany(
-                    "INSERT INTO batch_lines (batch_id, line, custom_id, offset, length) VALUES (?, ?, ?, ?, ?)",
+                    'INSERT INTO batch_lines (batch_id, line, custom_id, "offset", length) VALUES (?, ?, ?, ?, ?)',
                     ((batch_id, line.number, line.custom_id, line.offset, line.length) for line in lines),
                 )
 
@@ -303,9 +303,10 @@ class BatchStore:
             if not updated:
                 return False
             for file in (output, error):
-                if file is not None:
+                if file is not None:  # replaced when written again after a crash (a new seq, as INSERT OR REPLACE gave)
+                    conn.execute("DELETE FROM batch_files WHERE id = ?", (file.id,))
                     conn.execute(
-                        "INSERT OR REPLACE INTO batch_files (id, filename, purpose, bytes, created_at) VALUES (?, ?, ?, ?, ?)",
+                        "INSERT INTO batch_files (id, filename, purpose, bytes, created_at) VALUES (?, ?, ?, ?, ?)",
                         (file.id, file.filename, file.purpose, file.bytes, file.created_at),
                     )
             conn.execute("UPDATE batch_lines SET result = NULL WHERE batch_id = ?", (batch_id,))
@@ -332,7 +333,8 @@ class BatchStore:
     def pending(self, batch_id: str) -> list[Pending]:
         """The batch's lines still to run, in line order."""
         rows = self.store.query(
-            "SELECT line, custom_id, offset, length FROM batch_lines WHERE batch_id = ? AND state = 'pending' ORDER BY line", (batch_id,)
+            "SELECT line, custom_id, \"offset\", length FROM batch_lines WHERE batch_id = ? AND state = 'pending' ORDER BY line",
+            (batch_id,),
         )
         return [Pending(number=int(str(r[0])), custom_id=str(r[1]), offset=int(str(r[2])), length=int(str(r[3]))) for r in rows]
 
