@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import re
+import urllib.parse
 
 __all__ = ["UnsupportedSQL", "check_db", "is_postgres_url", "redact", "translate"]
 
@@ -52,7 +53,7 @@ def check_db(db: str) -> None:
     """Refuse a ``--db`` that is neither a SQLite path nor a PostgreSQL URL psycopg can
     read (``ValueError``, with the password left out). Imports psycopg for a URL only."""
     if not is_postgres_url(db):
-        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", db):
+        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", db):  # another kind of URL, POSTGRESQL:// included
             raise ValueError(f"{redact(db)!r}: a SQLite file path, :memory:, or a postgresql:// (postgres://) URL")
         return
     try:
@@ -66,8 +67,21 @@ def check_db(db: str) -> None:
 
 
 def redact(url: str) -> str:
-    """``url`` without its password, for messages and logs."""
-    return re.sub(r"^([a-z]+://[^:/@]*):[^@/]*@", r"\1:***@", url)
+    """``url`` without its password (in the user part or the query), for messages and
+    logs; anything that does not parse as a URL is shown as its scheme alone."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        netloc = parts.netloc
+        if "@" in netloc:
+            user, host = netloc.rsplit("@", 1)
+            netloc = f"{user.split(':', 1)[0]}:***@{host}" if ":" in user else netloc
+        query = urllib.parse.urlencode(
+            [(k, "***" if k.lower() == "password" else v) for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)],
+            safe="*",
+        )
+        return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+    except ValueError:
+        return url.split("://", 1)[0] + "://…"
 
 
 # A single-quoted string, a double-quoted identifier, or a run of anything else.
@@ -85,6 +99,8 @@ _REFUSED = (
     (re.compile(r"^\s*(PRAGMA|ATTACH|DETACH|VACUUM|REINDEX)\b", re.I), "SQLite's own statements (PRAGMA, ATTACH, VACUUM …)"),
     (re.compile(r"^\s*(BEGIN|COMMIT|END|ROLLBACK|SAVEPOINT|RELEASE)\b", re.I), "transaction control (the store owns the transaction)"),
     (re.compile(r"\bsqlite_(master|schema|sequence)\b", re.I), "SQLite's catalog tables"),
+    (re.compile(r"^\s*INSERT\s+OR\s+IGNORE\b.*\b(RETURNING|ON\s+CONFLICT)\b", re.I | re.S), "INSERT OR IGNORE with RETURNING or ON CONFLICT"),
+    (re.compile(r"\?\d|(?<![:\w]):[A-Za-z_]\w*", re.I), "numbered or named parameters (write ?)"),
 )
 _OR_IGNORE = re.compile(r"^(\s*INSERT)\s+OR\s+IGNORE\b", re.I)
 _TRIGGER = re.compile(
@@ -119,6 +135,8 @@ def translate(sql: str) -> tuple[str, ...]:
     """The PostgreSQL statements (psycopg's ``%s`` placeholders) that do what the SQLite
     statement ``sql`` does: one, or two for a trigger (its function, then the trigger).
     Raises :class:`UnsupportedSQL` for what has no sound translation (see the module)."""
+    if "--" in sql or "/*" in sql:  # a comment's quote or '?' would throw the translation off
+        raise UnsupportedSQL(f"comments have no translation here; leave them out of the statement: {sql[:200]!r}")
     bare = _unquoted(sql)
     for pattern, what in _REFUSED:
         if pattern.search(bare):

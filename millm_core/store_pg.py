@@ -36,14 +36,25 @@ from contextlib import contextmanager, suppress
 from typing import Any, cast
 
 import psycopg
+import structlog
 from psycopg import pq
 
 from .dbdialect import redact, translate
-from .errors import DatabaseBusy
+from .errors import DatabaseBusy, InvalidRequest
 from .store import BUSY_TIMEOUT_S, RETRY_AFTER_S, STARTUP_WAIT_S, Store
+
+log = structlog.get_logger("millm.store")
 
 LOCK_KEY = int.from_bytes(b"millm_db", "big")
 """The advisory lock every write transaction takes (one per database, every server)."""
+# SQLSTATE classes of a connection lost: connection exceptions, an administrator's or a
+# crash's shutdown, an idle session's timeout.
+_LOST_STATES = ("08", "57P01", "57P02", "57P03", "57P05")
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 30, 10, 3
+TCP_USER_TIMEOUT_MS = 60_000
+STATEMENT_TIMEOUT_MS = 60_000
+IDLE_IN_TRANSACTION_MS = 60_000
+RECONNECT_TIMEOUT_S = 3.0
 _BUSY_STATES = {
     "55P03",  # lock_not_available: lock_timeout passed
     "40P01",  # deadlock_detected
@@ -77,6 +88,7 @@ class PostgresStore(Store):
     def __init__(self, path: str) -> None:
         self.path = path
         self._shown = redact(path)
+        self._closed = False
         self._lock = threading.Lock()
         self._read_lock = threading.Lock()
         self._pg = self._connect()
@@ -84,9 +96,25 @@ class PostgresStore(Store):
         with self.transaction(wait=STARTUP_WAIT_S) as conn:
             conn.execute("CREATE TABLE IF NOT EXISTS migrations (namespace TEXT PRIMARY KEY, version INTEGER NOT NULL)")
 
-    def _connect(self, lock_timeout: float | None = None) -> psycopg.Connection[Any]:
+    def _connect(self, lock_timeout: float | None = None, connect_timeout: float = STARTUP_WAIT_S) -> psycopg.Connection[Any]:
+        if self._closed:
+            raise DatabaseBusy("the database connection is closed (the server is stopping)", headers={"Retry-After": str(RETRY_AFTER_S)})
         # No prepared statements: another server's migration may change a table under them.
-        conn = psycopg.connect(self.path, autocommit=True, prepare_threshold=None, connect_timeout=int(STARTUP_WAIT_S))
+        # TCP keepalives and timeouts bound what a partition costs: a dead peer is noticed
+        # within about a minute (and its advisory lock released by the server), a statement
+        # or an open transaction never hangs the store's threads for longer.
+        conn = psycopg.connect(
+            self.path,
+            autocommit=True,
+            prepare_threshold=None,
+            connect_timeout=max(1, int(connect_timeout)),
+            keepalives=1,
+            keepalives_idle=KEEPALIVE_IDLE_S,
+            keepalives_interval=KEEPALIVE_INTERVAL_S,
+            keepalives_count=KEEPALIVE_COUNT,
+            tcp_user_timeout=TCP_USER_TIMEOUT_MS,
+            options=f"-c statement_timeout={STATEMENT_TIMEOUT_MS} -c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_MS}",
+        )
         if lock_timeout is not None:
             conn.execute(f"SET lock_timeout = {int(lock_timeout * 1000)}")
         return conn
@@ -95,27 +123,28 @@ class PostgresStore(Store):
     def _busy_is_503(self) -> Iterator[None]:
         try:
             yield
+        except psycopg.DataError as exc:  # a value PostgreSQL cannot store (a NUL character in text)
+            raise InvalidRequest(f"a value cannot be stored: {exc.diag.message_primary or type(exc).__name__}", code="invalid_value") from exc
         except psycopg.Error as exc:
+            # The URL (host, user, database) stays in the log, never in a client's message.
             if exc.sqlstate in _BUSY_STATES:
                 raise DatabaseBusy(
-                    f"the database {self._shown!r} is locked by another connection (another server writing?); retry shortly",
+                    "the database is locked by another connection (another server writing?); retry shortly",
                     headers={"Retry-After": str(RETRY_AFTER_S)},
                 ) from exc
-            if isinstance(exc, psycopg.OperationalError) and exc.sqlstate is None:
-                raise DatabaseBusy(
-                    f"the database {self._shown!r} cannot be reached ({exc}); retry shortly",
-                    headers={"Retry-After": str(RETRY_AFTER_S)},
-                ) from exc
+            if isinstance(exc, psycopg.OperationalError) and (exc.sqlstate is None or exc.sqlstate.startswith(_LOST_STATES)):
+                log.warning("database_unreachable", db=self._shown, error=str(exc))
+                raise DatabaseBusy("the database cannot be reached; retry shortly", headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
             raise
 
     def _writer(self) -> psycopg.Connection[Any]:
-        if self._pg.closed:  # lost (a server restart, the network): connect again
-            self._pg = self._connect()
+        if self._pg.closed:  # lost (a server restart, the network): connect again, quickly
+            self._pg = self._connect(connect_timeout=RECONNECT_TIMEOUT_S)
         return self._pg
 
     def _readers(self) -> psycopg.Connection[Any]:
         if self._pg_reader.closed:
-            self._pg_reader = self._connect(lock_timeout=BUSY_TIMEOUT_S)
+            self._pg_reader = self._connect(lock_timeout=BUSY_TIMEOUT_S, connect_timeout=RECONNECT_TIMEOUT_S)
         return self._pg_reader
 
     @contextmanager
@@ -146,7 +175,9 @@ class PostgresStore(Store):
             return list(cursor.fetchall())
 
     def close(self) -> None:
+        """Close both connections; a later call raises ``DatabaseBusy`` instead of connecting again."""
         with self._lock:
+            self._closed = True
             with self._read_lock:
                 self._pg_reader.close()
             self._pg.close()

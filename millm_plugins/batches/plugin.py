@@ -13,13 +13,12 @@ directory (``--batch-data-dir``).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import structlog
 
-from millm_core.api import AppContext, PluginSetting, RouteDoc, cache_root, hookimpl
+from millm_core.api import AppContext, ConfigError, PluginSetting, RouteDoc, hookimpl
 
 from .disk import DataDir, default_dir
 from .files import delete_file, file_content, get_file, list_files, upload_file
@@ -65,9 +64,14 @@ def millm_register_settings(register: Callable[[PluginSetting[Any]], None]) -> N
 def millm_startup(app: AppContext) -> None:
     store = BatchStore(app.store)
     configured = DATA_DIR.get(app.settings)
-    if not configured and "://" in app.store.path:  # a database server: no file to sit beside
-        configured = os.path.join(cache_root(app.settings), "batch-files")
-        log.warning("batch_data_dir_default", data_dir=configured, reason="the database is a server: set --batch-data-dir to a directory the servers share")
+    if not configured and "://" in app.store.path:
+        # A database server: no file for <db>-files to sit beside, and servers on other
+        # machines share the batches but not a local directory (each would run the others'
+        # batches without their files).
+        raise ConfigError(
+            "with a database server (--db postgresql://…) set --batch-data-dir to a directory every server shares "
+            "(or leave the batches plugin out: --plugins)"
+        )
     disk = DataDir(configured or (None if app.store.path == ":memory:" else default_dir(app.store.path)))
     running = disk.lock()
     if running:

@@ -131,6 +131,7 @@ async def _arm(request: Request, windows: list[Any], acknowledged: bool) -> Resp
     app = app_context(request)
     state = state_of(app)
     probe_id = request.path_params["probe_id"]
+    await state.book.refresh()  # another server's import counts (it may be under 100 ms old)
     state.book.get(probe_id)  # 404 at once; the gates read the document again under the lock
     limit, tolerance = int(MAX_ARMED.get(app.settings)), float(PARITY_TOLERANCE.get(app.settings))
 

@@ -28,7 +28,9 @@ def gguf_default() -> Iterator[ServeProcess]:
 
 def test_packaged_gguf_answers_paris(gguf_default: ServeProcess) -> None:
     client = openai.OpenAI(base_url=gguf_default.base_url + "/v1", api_key="x", max_retries=0)
-    assert [m.id for m in client.models.list().data] == [NAME]
+    listed = client.models.list().data
+    assert listed[0].id == NAME and listed[0].model_extra is not None and listed[0].model_extra["millm"]["state"] == "loaded"
+    assert all(m.model_extra is not None and m.model_extra["millm"]["state"] == "available" for m in listed[1:])
     resp = client.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, max_tokens=30)  # type: ignore[arg-type]
     assert "Paris" in (resp.choices[0].message.content or "") and resp.choices[0].finish_reason == "stop"
     raw = httpx.post(gguf_default.base_url + "/v1/chat/completions", json={"model": NAME, "messages": QUESTION, "max_tokens": 2})

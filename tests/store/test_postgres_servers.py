@@ -125,10 +125,24 @@ def test_a_response_stored_on_one_server_is_continued_on_the_other(make_server: 
         assert httpx.get(two.base_url + f"/v1/responses/{follow.json()['id']}").status_code == 404
 
 
-def test_without_a_data_directory_batch_files_go_under_the_cache_directory(make_server: Any, pg_url: str, tmp_path: pathlib.Path) -> None:
-    """A database server has no file for ``<db>-files`` to sit beside: the files go to
-    this machine's cache directory (never a directory named after the URL)."""
-    with make_server(db=pg_url, cache_dir=str(tmp_path / "cache")) as srv:
-        uploaded = sdk(srv.base_url).files.create(file=("input.jsonl", b'{"custom_id": "a"}\n'), purpose="batch")
-    assert (tmp_path / "cache" / "batch-files" / f"{uploaded.id}.jsonl").is_file()
+def test_without_a_shared_data_directory_a_server_on_postgres_does_not_start(make_server: Any, pg_url: str) -> None:
+    """A database server has no file for ``<db>-files`` to sit beside, and a directory of
+    this machine's own would let servers on other machines run batches whose files they do
+    not have: the server refuses to start, saying what to set (never a directory named
+    after the URL)."""
+    import asyncio
+
+    from millm_core.config import load_settings
+    from millm_core.registry import ModelRegistry
+    from millm_core.server.app import build_host, create_app
+
+    host = build_host(load_settings(environ={}))
+    app = create_app(load_settings({"db": pg_url}, environ={}, plugin_settings=host.plugin_settings()), host=host, models=ModelRegistry())
+
+    async def start() -> None:
+        async with app.router.lifespan_context(app):
+            pass
+
+    with pytest.raises(Exception, match="--batch-data-dir"):
+        asyncio.run(start())
     assert not any(p.name.startswith("postgres") for p in pathlib.Path.cwd().iterdir())

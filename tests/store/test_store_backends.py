@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from millm_core.dbdialect import UnsupportedSQL, redact, translate
+from millm_core.dbdialect import UnsupportedSQL, check_db, redact, translate
 from millm_core.errors import DatabaseBusy, NotFound
 from millm_core.store import BUSY_TIMEOUT_S, Store
 from millm_plugins.batches.storage import MIGRATIONS as BATCHES
@@ -267,6 +267,11 @@ def test_the_translation_of_the_dialect_used_here() -> None:
         "BEGIN IMMEDIATE",
         "SELECT name FROM sqlite_master",
         "CREATE TRIGGER x BEFORE INSERT ON t BEGIN SELECT 1; END",
+        "SELECT a FROM t -- don't ?",
+        "SELECT a /* it's */ FROM t WHERE b = ?",
+        "INSERT OR IGNORE INTO t (a) VALUES (?) RETURNING a",
+        "SELECT a FROM t WHERE b = ?1",
+        "SELECT a FROM t WHERE b = :b",
     ],
 )
 def test_what_has_no_sound_translation_is_refused_by_name(sql: str) -> None:
@@ -277,6 +282,32 @@ def test_what_has_no_sound_translation_is_refused_by_name(sql: str) -> None:
 def test_a_password_is_not_shown() -> None:
     assert redact("postgresql://me:s3cret@db:5432/millm") == "postgresql://me:***@db:5432/millm"
     assert redact("postgresql://me@db/millm") == "postgresql://me@db/millm"
+    assert redact("postgresql://me:p@ss@db/millm") == "postgresql://me:***@db/millm"  # '@' in the password
+    assert redact("postgresql://me@db/millm?password=s3cret&sslmode=require") == "postgresql://me@db/millm?password=***&sslmode=require"
+    with pytest.raises(ValueError) as refused:
+        check_db("POSTGRESQL+psycopg://me:s3cret@db/millm")
+    assert "s3cret" not in str(refused.value)
+
+
+def test_a_lost_connection_is_database_busy_then_reconnects(pg_url: str) -> None:
+    """A connection the server ended (a restart, an administrator, a timeout) answers 503
+    database_busy, never a 500; the next call connects again."""
+    import psycopg
+
+    store = Store(pg_url)
+    try:
+        store.migrate("lost", ("CREATE TABLE lost (a INTEGER NOT NULL)",))
+        with psycopg.connect(pg_url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        for attempt in (lambda: store.query("SELECT count(*) FROM lost"), lambda: store.transaction().__enter__()):
+            with pytest.raises(DatabaseBusy):
+                attempt()
+        assert store.query("SELECT count(*) FROM lost") == [(0,)]
+        with store.transaction() as conn:
+            conn.execute("INSERT INTO lost (a) VALUES (?)", (1,))
+        assert store.query("SELECT a FROM lost") == [(1,)]
+    finally:
+        store.close()
 
 
 def test_sqlite_never_imports_psycopg(tmp_path: pathlib.Path) -> None:
@@ -308,3 +339,21 @@ def test_the_db_setting(db: str, ok: bool) -> None:
         with pytest.raises(ConfigError, match="postgresql://") as refused:
             load_settings({"db": db}, environ={})
         assert "pw" not in str(refused.value)
+
+
+def test_a_value_postgres_cannot_store_is_a_400(pg_url: str) -> None:
+    """PostgreSQL text cannot hold a NUL character (SQLite's can): the request that sent
+    one is refused, the store and its connection keep working."""
+    from millm_core.errors import InvalidRequest
+
+    store = Store(pg_url)
+    try:
+        store.migrate("nul", ("CREATE TABLE nul (a TEXT NOT NULL)",))
+        with pytest.raises(InvalidRequest) as refused, store.transaction() as conn:
+            conn.execute("INSERT INTO nul (a) VALUES (?)", ("a\x00b",))
+        assert refused.value.status == 400
+        with store.transaction() as conn:
+            conn.execute("INSERT INTO nul (a) VALUES (?)", ("ab",))
+        assert store.query("SELECT a FROM nul") == [("ab",)]
+    finally:
+        store.close()
