@@ -77,6 +77,7 @@ from .engine import (
     TapPoint,
     TokenMask,
     TokenProcessor,
+    batch_invariant,
 )
 from .errors import (
     CapacityExceeded,
@@ -217,6 +218,7 @@ __all__ = [
     "RowOwner",
     "Usage",
     "app_context",
+    "batch_invariant",
     "cache_root",
     "configure_logging",
     "convert",

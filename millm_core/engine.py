@@ -284,6 +284,13 @@ class Engine(Protocol):
         """Free everything the batch holds."""
 
 
+def batch_invariant(engine: object) -> bool:
+    """Whether this engine promises a row's tokens never depend on what shares its batch
+    (an engine without a ``batch_invariant`` attribute runs one request at a time or
+    promises it)."""
+    return bool(getattr(engine, "batch_invariant", True))
+
+
 def backend_of(engine: object) -> str:
     """``batched`` when concurrent requests share this engine's decode steps, else
     ``serial``. A :class:`Joinable` engine may say it does not join as loaded with a
@@ -291,7 +298,7 @@ def backend_of(engine: object) -> str:
     what shares their batch says so with ``batch_invariant = False``: the value then
     carries ``;invariant=?0``."""
     backend = "batched" if isinstance(engine, Joinable) and getattr(engine, "batches_requests", True) else "serial"
-    return backend if getattr(engine, "batch_invariant", True) else backend + ";invariant=?0"
+    return backend if batch_invariant(engine) else backend + ";invariant=?0"
 
 
 @runtime_checkable

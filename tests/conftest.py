@@ -135,6 +135,13 @@ def gguf_path(tiny_dir: str) -> str:
 
 
 @pytest.fixture(scope="session")
+def gguf_q8_path(tiny_dir: str) -> str:
+    """The tiny model with Q8_0 matrices: a quantized file, on llama.cpp's flash-attention
+    path as real GGUF models are (the f32 file keeps unfused f32 attention)."""
+    return tiny_gguf(tiny_dir, file_name="tiny.Q8_0.gguf", quantization="Q8_0")
+
+
+@pytest.fixture(scope="session")
 def gguf_model(gguf_path: str) -> ServedModel:
     return load_gguf(gguf_path)
 

@@ -1,11 +1,13 @@
 """The GGUF engine: llama.cpp through its batch API.
 
-Every row is one llama.cpp sequence in a KV cache that all sequences share. A step sends
+Every row is one llama.cpp sequence with a KV stream of its own. A step sends
 one ``llama_decode`` call (more when prefill exceeds the batch size) carrying the
 prompts of rows that have not run yet and the last token of every other row, reads the
 logits of each row's last position and samples them in numpy. Rows of later requests can
 join a running batch (:meth:`GGUFEngine.join`): the scheduler uses that to serve
-concurrent streams together, which is where a batch API beats a serial server.
+concurrent streams together, which is where a batch API beats a serial server. A row's
+tokens do not depend on what shares its calls where :attr:`GGUFEngine.batch_invariant`
+holds (see :mod:`.llama`).
 
 With one sequence at a time (``--gguf-parallel 1``, ``--batch-invariant``) a prompt runs
 in calls that end at the multiples of ``prefix.CHUNK``, and its beginning can be restored
@@ -56,7 +58,6 @@ class Row:
     seq: int
     tokens: list[int]
     sampling: SamplingParams
-    reserve: int
     n_past: int = 0  # tokens already in the KV cache
     prompt_len: int = 0
     resumed: int = 0  # prompt tokens restored from the prefix cache (see .prefix)
@@ -79,18 +80,21 @@ class GGUFEngine:
         refusals: Mapping[Capability, str],
         chat_template: str | None = None,
         prefix: StateCache | None = None,
+        shares_exactly: bool = True,
     ) -> None:
         self.llm = llm
         self.info = info
         self.capabilities = capabilities
         self.refusals = dict(refusals)  # why a capability is missing, for the error message
         self.parallel = parallel
+        self._shares_exactly = shares_exactly  # LlamaModel.shares_exactly, checked at load
         # One sequence at a time: prompts run in calls ending at the multiples of CHUNK,
         # which makes a prompt's beginning reusable exactly (see .prefix); only then.
         self.chunked = parallel == 1
         self.prefix = prefix if self.chunked else None
         self._free_seqs = list(range(parallel))
-        self._reserved = 0
+        # Each sequence's stream holds this many cells: a row's prompt and budget must fit.
+        self.cells_per_seq = llm.n_cells // parallel
         eos = {t for t in (llm.special("eos"), llm.special("eot")) if t is not None}
         self.eos_token_ids = frozenset(t for t in range(llm.n_vocab) if llm.is_eog(t)) | eos
         self._bos = llm.special("bos")
@@ -172,29 +176,35 @@ class GGUFEngine:
 
     @property
     def batch_invariant(self) -> bool:
-        """Only one sequence per decode call is: llama.cpp's kernels (and the unified KV
-        cache's cell placement) change a row's numerics with what shares the call."""
-        return self.parallel == 1
+        """Per-sequence KV streams with flash attention are (see :mod:`.llama`) where the
+        file's kernels passed the load-time check; f32 attention, unfused, is only with
+        one sequence at a time."""
+        return self.parallel == 1 or (self.llm.flash_attn and self._shares_exactly)
+
+    @staticmethod
+    def _need(spec: RowSpec) -> int:
+        return len(spec.prompt_ids) + max(spec.max_new_tokens, 1)
 
     def can_join(self, rows: Sequence[RowSpec]) -> bool:
-        """Whether ``rows`` fit now: a free sequence each, and KV cells for their prompts
-        and budgets beside the rows already running."""
-        need = sum(len(r.prompt_ids) + max(r.max_new_tokens, 1) for r in rows)
-        return len(rows) <= len(self._free_seqs) and self._reserved + need <= self.llm.n_cells
+        """Whether ``rows`` fit now: a free sequence each, whose stream holds the row's
+        prompt and budget."""
+        return len(rows) <= len(self._free_seqs) and all(self._need(r) <= self.cells_per_seq for r in rows)
 
     @property
     def capacity(self) -> Capacity:
-        """Sequences and KV cells: admission refuses a request that could never fit."""
-        return Capacity(max_rows=self.parallel, max_tokens=self.llm.n_cells)
+        """Sequences and KV cells: admission refuses a request that could never fit (a
+        single row longer than its stream is already past the served context length)."""
+        return Capacity(max_rows=self.parallel, max_tokens=self.cells_per_seq * self.parallel)
 
     def open_batch(self, rows: Sequence[RowSpec]) -> GGUFBatch:
         # Admission already refused what cannot fit (before a stream's 200); kept as a guard.
         if len(rows) > self.parallel:
             raise CapacityExceeded(f"{len(rows)} sequences at once; this GGUF engine runs at most {self.parallel}", param="prompt")
-        need = sum(len(r.prompt_ids) + max(r.max_new_tokens, 1) for r in rows)
-        if need > self.llm.n_cells:
+        need = max((self._need(r) for r in rows), default=0)
+        if need > self.cells_per_seq:
             raise CapacityExceeded(
-                f"the prompts and their token budgets need {need} KV cells; this GGUF engine has {self.llm.n_cells}", param="prompt"
+                f"a prompt and its token budget need {need} KV cells; each sequence of this GGUF engine holds {self.cells_per_seq}",
+                param="prompt",
             )
         batch = GGUFBatch()
         self.join(batch, rows)
@@ -207,14 +217,13 @@ class GGUFEngine:
             raise CapacityExceeded(
                 f"{len(rows)} more sequences do not fit beside the running ones ({len(self._free_seqs)} free)", param="prompt"
             )
+        longest = max((self._need(r) for r in rows), default=0)
+        if longest > self.cells_per_seq:
+            raise CapacityExceeded(f"a row needs {longest} KV cells; a sequence holds {self.cells_per_seq}", param="prompt")
         for spec in rows:
-            reserve = len(spec.prompt_ids) + max(spec.max_new_tokens, 1)
             seq = self._free_seqs.pop(0)
             self.llm.forget(seq)
-            self._reserved += reserve
-            batch.rows.append(
-                Row(seq=seq, tokens=list(spec.prompt_ids), sampling=spec.sampling, reserve=reserve, prompt_len=len(spec.prompt_ids))
-            )
+            batch.rows.append(Row(seq=seq, tokens=list(spec.prompt_ids), sampling=spec.sampling, prompt_len=len(spec.prompt_ids)))
 
     def resumed(self, batch: GGUFBatch) -> list[int]:
         """Per row, the prompt tokens its prefill restored from the prefix cache (0: none)."""
@@ -315,7 +324,6 @@ class GGUFEngine:
         self.llm.forget(row.seq)
         self._free_seqs.append(row.seq)
         self._free_seqs.sort()
-        self._reserved -= row.reserve
 
     # ------------------------------------------------------------------ embeddings
 

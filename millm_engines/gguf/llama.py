@@ -1,7 +1,29 @@
-"""A thin layer over llama-cpp-python's C API: one model, one generation context whose
-KV cache is shared by up to ``n_seq_max`` sequences (``kv_unified``), an optional
-embeddings context, tokenisation and metadata. ``llama_cpp`` is imported only in this
-package.
+"""A thin layer over llama-cpp-python's C API: one model, one generation context with a
+KV stream of its own for each of up to ``n_seq_max`` sequences, an optional embeddings
+context, tokenisation and metadata. ``llama_cpp`` is imported only in this package.
+
+Three choices make a sequence's numerics independent of what shares its decode calls
+(batch invariance, measured on SmolLM2-135M in Q4_0, Q4_1, Q4_K_M and Q8_0):
+
+- **A KV stream per sequence** (``kv_unified = false``). In one unified cache a
+  sequence's cells land wherever free cells are; once sequences have come and gone its
+  later positions can sit in cells before its earlier ones, and attention then sums them
+  in another order.
+- **Flash attention** for f16 KV caches. llama.cpp's CPU kernel walks a query's own
+  cells in order and skips masked ones, where the unfused path multiplies over every
+  cell the call's longest sequence spans.
+- **No repacked weight layouts** (``use_extra_bufts = false``). The CPU backend repacks
+  some quantizations into layouts with a matrix kernel for calls of several rows and a
+  vector kernel for one; for Q4_K on an AVX2 CPU the two round differently (measured:
+  19 of 30 requests kept their solo tokens under churn with repacking, 30 without).
+
+An f32 model keeps unfused f32 attention, because flash attention would compute it in
+f16: its shared batches are not invariant (:attr:`LlamaModel.flash_attn` is False).
+
+Some kernels still depend on the rows a call carries: in SmolLM2's Q4_K_M file a row's
+logits change by up to 1.5 when a second row's logits are computed in the same call
+(llama.cpp runs the last layer on the output rows only). :meth:`LlamaModel.shares_exactly`
+checks a loaded file at load time, bit for bit, and the engine reports what it found.
 """
 
 from __future__ import annotations
@@ -18,6 +40,7 @@ from millm_core.api import InternalError
 GGML_TYPE_F32 = 0
 POOLING_MEAN = 1
 FLASH_ATTN_DISABLED = 0
+FLASH_ATTN_ENABLED = 1
 
 
 @L.llama_log_callback
@@ -50,6 +73,7 @@ class LlamaModel:
     def __init__(self, path: str, *, n_ctx: int, n_seq_max: int, threads: int | None, f32_kv: bool, n_batch: int = 512) -> None:
         L.llama_backend_init()
         mparams = L.llama_model_default_params()
+        mparams.use_extra_bufts = False  # see the module docstring
         self.model = L.llama_model_load_from_file(path.encode(), mparams)
         if not self.model:
             raise InternalError(f"llama.cpp could not load {path!r}")
@@ -58,6 +82,8 @@ class LlamaModel:
         self.n_batch = n_batch
         self.threads = threads
         self.f32_kv = f32_kv
+        # f32 attention stays unfused (flash attention would run it in f16); see above.
+        self.flash_attn = not f32_kv
         self.ctx = self._context(n_ctx=n_ctx, n_seq_max=n_seq_max, embeddings=False)
         self.memory = L.llama_get_memory(self.ctx)
         self._embed_ctx: ctypes.c_void_p | None = None
@@ -69,7 +95,7 @@ class LlamaModel:
         params.n_batch = self.n_batch
         params.n_ubatch = self.n_batch
         params.n_seq_max = n_seq_max
-        params.kv_unified = True
+        params.kv_unified = False  # a KV stream per sequence: n_ctx / n_seq_max cells each
         if self.threads:
             params.n_threads = self.threads
             params.n_threads_batch = self.threads
@@ -77,6 +103,8 @@ class LlamaModel:
             params.type_k = GGML_TYPE_F32
             params.type_v = GGML_TYPE_F32
             params.flash_attn_type = FLASH_ATTN_DISABLED
+        else:
+            params.flash_attn_type = FLASH_ATTN_ENABLED
         params.embeddings = embeddings
         if embeddings:
             params.pooling_type = POOLING_MEAN
@@ -115,7 +143,15 @@ class LlamaModel:
 
     @property
     def n_cells(self) -> int:
+        """KV cells over all sequences' streams."""
         return int(L.llama_n_ctx(self.ctx))
+
+    def bytes_per_cell(self, *, f32: bool) -> int:
+        """Bytes one KV cell (one position of one sequence) takes over all layers, keys
+        and values, for an f16 (or f32) cache."""
+        heads = max(int(L.llama_model_n_head(self.model)), 1)
+        head_dim = int(self.meta(f"{self.meta('general.architecture')}.attention.key_length") or self.n_embd // heads)
+        return self.n_layer * 2 * int(L.llama_model_n_head_kv(self.model)) * head_dim * (4 if f32 else 2)
 
     def special(self, name: str) -> int | None:
         token = int(getattr(L, f"llama_vocab_{name}")(self.vocab))
@@ -174,6 +210,34 @@ class LlamaModel:
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = piece.seq
             batch.logits[i] = 1 if piece.output else 0
+
+    def shares_exactly(self) -> bool:
+        """Whether one sequence's logits are bit for bit the same alone and sharing decode
+        calls: a prefill beside another prompt, a decode step beside a joining prompt,
+        then a step of three rows, against the same tokens alone. Uses sequences 0 to 2
+        of an idle context and leaves them empty."""
+        if int(L.llama_n_seq_max(self.ctx)) < 3:
+            return True  # nothing ever shares a call
+        ids = [(97 * i + 13) % self.n_vocab for i in range(40)]
+        a, b, c = ids[:12], ids[12:19], ids[19:40]
+
+        def prefill(tokens: list[int], seq: int) -> list[Piece]:
+            return [Piece(t, seq, p, p == len(tokens) - 1) for p, t in enumerate(tokens)]
+
+        try:
+            alone = [self.decode(prefill(a, 0))[0]]
+            follow = [int(np.argmax(alone[0])), int(np.argmax(alone[0][::-1]))]  # any two tokens, fixed
+            for step, token in enumerate(follow):
+                alone.append(self.decode([Piece(token, 0, len(a) + step, True)])[0])
+            self.forget(0)
+            shared = [self.decode(prefill(a, 0) + prefill(b, 1))[0]]
+            shared.append(self.decode([Piece(follow[0], 0, len(a), True), *prefill(c, 2)])[0])
+            three = [Piece(follow[1], 0, len(a) + 1, True), Piece(follow[0], 1, len(b), True), Piece(follow[1], 2, len(c), True)]
+            shared.append(self.decode(three)[0])
+        finally:
+            for seq in range(3):
+                self.forget(seq)
+        return all(np.array_equal(x, y) for x, y in zip(alone, shared, strict=True))
 
     def forget(self, seq: int) -> None:
         """Free every KV cell of sequence ``seq``."""

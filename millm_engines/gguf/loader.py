@@ -16,7 +16,27 @@ from .plugin import CAPABILITIES, EMBEDDINGS, ENGINE, KV_CELLS, PARALLEL, PREFIX
 from .prefix import StateCache
 
 log = structlog.get_logger("millm.gguf")
-DEFAULT_MAX_CELLS = 16384
+# The KV cache's size when neither --max-model-len nor --gguf-kv-cells says: every
+# sequence gets the model's context if all of them fit in this, else an equal share.
+DEFAULT_KV_BYTES = 2 * 2**30
+MIN_CELLS = 16
+
+
+def _cells_per_sequence(settings: Settings, context: int, parallel: int, cell_bytes: int) -> int:
+    """KV cells in each sequence's stream: --gguf-kv-cells shared equally, the context
+    when --max-model-len asks for it, else the context within DEFAULT_KV_BYTES."""
+    total = KV_CELLS.get(settings)
+    if total:
+        per_seq = total // parallel
+        if per_seq < MIN_CELLS:
+            raise ConfigError(
+                f"--{KV_CELLS.name.replace('_', '-')} {total} leaves {per_seq} cells to each of {parallel} sequences; "
+                f"give at least {MIN_CELLS * parallel}"
+            )
+        return min(per_seq, context)
+    if settings.max_model_len:
+        return context
+    return max(MIN_CELLS, min(context, DEFAULT_KV_BYTES // (parallel * max(cell_bytes, 1))))
 
 
 def load_engine(location: ModelLocation, settings: Settings) -> GGUFEngine:
@@ -24,30 +44,42 @@ def load_engine(location: ModelLocation, settings: Settings) -> GGUFEngine:
         # A GGUF file's precision is its quantization; nothing here could honour --dtype.
         raise ConfigError(f"--dtype {settings.dtype} cannot apply to a GGUF model: its precision is its quantization; leave --dtype auto")
     started = time.perf_counter()
-    # llama.cpp's kernels change with the number of sequences a decode call carries, so
-    # only one sequence at a time is batch-invariant (measured: SmolLM2 Q4_1, 8 identical
-    # greedy requests at once gave 2 different texts with 8 sequences, 1 with one).
-    parallel = 1 if settings.batch_invariant else PARALLEL.get(settings) or 1
-    if settings.batch_invariant and (PARALLEL.get(settings) or 1) > 1:
-        log.info("gguf_batch_invariant", parallel=1, note="--batch-invariant: one sequence at a time")
-    embeddings = EMBEDDINGS.get(settings)
+    # Each sequence has a KV stream of its own with flash attention, which makes shared
+    # batches invariant where the file's kernels allow (see .llama): checked bit for bit
+    # here. Where they are not (f32 attention, or kernels that change with the rows a call
+    # carries), --batch-invariant gives one sequence at a time; otherwise responses say so.
     threads = settings.threads or os.cpu_count() or 1
     probe = LlamaModel(location.path, n_ctx=256, n_seq_max=1, threads=threads, f32_kv=False)
     try:
         file_type = probe.meta("general.file_type")
         trained = probe.n_ctx_train
+        cell_bytes = probe.bytes_per_cell(f32=False)
     finally:
         probe.close()
     tag = location.quantization or naming.tag_of_file_type(int(file_type) if file_type else None) or naming.tag_of_filename(location.path)
     if tag is None:
         raise ConfigError(f"{location.path}: no quantization tag in its metadata or its name")
+    f32 = tag == "F32"
+    cell_bytes *= 2 if f32 else 1
+    embeddings = EMBEDDINGS.get(settings)
     context = min(settings.max_model_len or trained, trained)
-    cells = KV_CELLS.get(settings) or min(context * parallel, max(context, DEFAULT_MAX_CELLS))
-    if cells < context:
-        raise ConfigError(
-            f"--{KV_CELLS.name.replace('_', '-')} {cells} is smaller than the context ({context}); one sequence would not fit"
-        )
-    llm = LlamaModel(location.path, n_ctx=cells, n_seq_max=parallel, threads=threads, f32_kv=tag == "F32")
+    parallel = PARALLEL.get(settings) or 1
+    llm = LlamaModel(
+        location.path, n_ctx=_cells_per_sequence(settings, context, parallel, cell_bytes) * parallel, n_seq_max=parallel, threads=threads, f32_kv=f32
+    )
+    shares = parallel == 1 or (llm.flash_attn and llm.shares_exactly())
+    if not shares:
+        why = "f32 attention" if not llm.flash_attn else "llama.cpp's kernels for this file change with the rows a call carries"
+        if settings.batch_invariant:
+            llm.close()
+            parallel = 1
+            llm = LlamaModel(location.path, n_ctx=_cells_per_sequence(settings, context, 1, cell_bytes), n_seq_max=1, threads=threads, f32_kv=f32)
+            log.info("gguf_batch_invariant", parallel=1, note=f"--batch-invariant: one sequence at a time ({why})")
+        else:
+            log.info("gguf_shared_batches_not_invariant", reason=why, note="--batch-invariant true decodes one sequence at a time")
+    if llm.n_cells // parallel < context:
+        log.info("gguf_context_per_sequence", trained=trained, served=llm.n_cells // parallel, parallel=parallel)
+        context = llm.n_cells // parallel
     if settings.served_name:
         served = settings.served_name
     else:
@@ -75,14 +107,22 @@ def load_engine(location: ModelLocation, settings: Settings) -> GGUFEngine:
     no_prefix = "several sequences share the cache" if parallel > 1 else llm.prefix_refusal() if PREFIX_CACHE_MB.get(settings) else "off"
     prefix = StateCache(PREFIX_CACHE_MB.get(settings) * 2**20) if no_prefix is None else None
     engine = GGUFEngine(
-        llm, info, capabilities, parallel, refusals, chat_template=operator_chat_template(settings.chat_template), prefix=prefix
+        llm,
+        info,
+        capabilities,
+        parallel,
+        refusals,
+        chat_template=operator_chat_template(settings.chat_template),
+        prefix=prefix,
+        shares_exactly=shares,
     )
     log.info(
         "gguf_loaded",
         model=served,
         quantization=tag,
         context=context,
-        kv_cells=cells,
+        kv_cells=llm.n_cells,
+        flash_attention=llm.flash_attn,
         parallel=parallel,
         prefix_cache=no_prefix or f"{PREFIX_CACHE_MB.get(settings)} MiB",
         threads=threads,

@@ -27,7 +27,15 @@ MILLM_PLUGIN_KIND = "engine"
 NAME = "gguf"
 ENGINE = "llama.cpp"
 CAPABILITIES = frozenset(
-    {Capability.GENERATE, Capability.EMBEDDINGS, Capability.STRUCTURED_OUTPUT, Capability.TOOLS, Capability.REWIND, Capability.CHAT_TEMPLATE_KWARGS}
+    {
+        Capability.GENERATE,
+        Capability.SEED,
+        Capability.EMBEDDINGS,
+        Capability.STRUCTURED_OUTPUT,
+        Capability.TOOLS,
+        Capability.REWIND,
+        Capability.CHAT_TEMPLATE_KWARGS,
+    }
 )
 
 
@@ -65,11 +73,14 @@ PARALLEL = PluginSetting("gguf_parallel", 8, "sequences a GGUF model decodes tog
 PREFIX_CACHE_MB = PluginSetting(
     "gguf_prefix_cache_mb",
     256,
-    "MiB of prompts' saved KV state kept for prefix reuse with one sequence at a time (--gguf-parallel 1 or --batch-invariant; 0: off)",
+    "MiB of prompts' saved KV state kept for prefix reuse with one sequence at a time (--gguf-parallel 1; 0: off)",
     _positive,
 )
 KV_CELLS = PluginSetting(
-    "gguf_kv_cells", 0, "KV-cache cells shared by those sequences (0: the context × parallel, at most 16384)", _positive
+    "gguf_kv_cells",
+    0,
+    "KV-cache cells, shared equally by those sequences' streams (0: each the context, or less to keep the cache within 2 GiB)",
+    _positive,
 )
 
 

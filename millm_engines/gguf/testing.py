@@ -65,9 +65,15 @@ def _tokenizer(writer: Any, hf_dir: str) -> None:
         writer.add_chat_template(template)
 
 
-def write_gguf(hf_dir: str, out_path: str, name: str = "tiny") -> str:
-    """Write ``hf_dir`` (a ``LlamaForCausalLM`` checkpoint) to ``out_path`` as f32 GGUF."""
+def write_gguf(hf_dir: str, out_path: str, name: str = "tiny", quantization: str = "F32") -> str:
+    """Write ``hf_dir`` (a ``LlamaForCausalLM`` checkpoint) to ``out_path`` as GGUF: f32,
+    or with its matrices in Q8_0 (``quantization="Q8_0"``; norms stay f32, as llama.cpp's
+    quantizer leaves them)."""
     import gguf
+
+    if quantization not in ("F32", "Q8_0"):
+        raise ValueError(f"quantization {quantization!r}: F32 or Q8_0")
+    q8 = quantization == "Q8_0"
     from safetensors.numpy import load_file
 
     with open(os.path.join(hf_dir, "config.json")) as fh:
@@ -77,7 +83,7 @@ def write_gguf(hf_dir: str, out_path: str, name: str = "tiny") -> str:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     writer = gguf.GGUFWriter(out_path, "llama")
     writer.add_name(name)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if q8 else gguf.LlamaFileType.ALL_F32)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_block_count(cfg["num_hidden_layers"])
@@ -92,7 +98,12 @@ def write_gguf(hf_dir: str, out_path: str, name: str = "tiny") -> str:
 
     def tensor(gguf_name: str, hf_name: str, permute_heads: int | None = None) -> None:
         array = weights[hf_name].astype(np.float32)
-        writer.add_tensor(gguf_name, _permute(array, permute_heads) if permute_heads else array)
+        array = _permute(array, permute_heads) if permute_heads else array
+        if q8 and array.ndim == 2:
+            kind = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(gguf_name, array)
 
     tensor("token_embd.weight", "model.embed_tokens.weight")
     tensor("output_norm.weight", "model.norm.weight")
@@ -115,8 +126,9 @@ def write_gguf(hf_dir: str, out_path: str, name: str = "tiny") -> str:
     return out_path
 
 
-def tiny_gguf(hf_dir: str, root: str | None = None, file_name: str = "tiny.F32.gguf") -> str:
-    """The tiny model as GGUF, cached beside the HF test models and rebuilt when missing."""
+def tiny_gguf(hf_dir: str, root: str | None = None, file_name: str = "tiny.F32.gguf", quantization: str = "F32") -> str:
+    """The tiny model as GGUF (f32, or Q8_0 matrices), cached beside the HF test models and
+    rebuilt when missing."""
     root = root or os.path.join(os.path.expanduser("~"), ".cache", "millm", "test-models", GGUF_VERSION)
     target = os.path.join(root, os.path.basename(os.path.normpath(hf_dir)), file_name)
     if os.path.isfile(target):
@@ -125,7 +137,36 @@ def tiny_gguf(hf_dir: str, root: str | None = None, file_name: str = "tiny.F32.g
     handle, staging = tempfile.mkstemp(suffix=".gguf", dir=os.path.dirname(target))
     os.close(handle)
     try:
-        write_gguf(hf_dir, staging)
+        write_gguf(hf_dir, staging, quantization=quantization)
+        os.replace(staging, target)
+    finally:
+        if os.path.exists(staging):
+            os.remove(staging)
+    return target
+
+
+FILE_TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15}  # llama_ftype values
+
+
+def requantized(source: str, tag: str, root: str | None = None) -> str:
+    """``source`` (a GGUF file) quantized again to ``tag`` by llama.cpp's own quantizer,
+    cached beside the test models: another real quantization of a real model, offline."""
+    import llama_cpp as L
+
+    root = root or os.path.join(os.path.expanduser("~"), ".cache", "millm", "test-models", GGUF_VERSION, "requantized")
+    stem = os.path.basename(source).split(".")[0]
+    target = os.path.join(root, f"{stem}.{tag}.gguf")
+    if os.path.isfile(target):
+        return target
+    os.makedirs(root, exist_ok=True)
+    handle, staging = tempfile.mkstemp(suffix=".gguf", dir=root)
+    os.close(handle)
+    try:
+        params = L.llama_model_quantize_default_params()
+        params.ftype = FILE_TYPES[tag]
+        params.allow_requantize = True
+        if L.llama_model_quantize(source.encode(), staging.encode(), params) != 0:
+            raise RuntimeError(f"llama.cpp could not quantize {source} to {tag}")
         os.replace(staging, target)
     finally:
         if os.path.exists(staging):

@@ -24,6 +24,7 @@ from millm_core.api import (
     RequestField,
     RowInfo,
     ServedModel,
+    batch_invariant,
     hookimpl,
 )
 
@@ -68,13 +69,15 @@ def millm_execute(ctx: RequestContext, request: Any, model: ServedModel) -> Exec
     return Generate()
 
 
-def seed_header(seed: int, request: Any = None) -> str:
+def seed_header(seed: int, request: Any = None, invariant: bool = True) -> str:
     """``X-miLLM-Seed`` value: the seed and the scope of the reproducibility promise. A
     chat with ``extra_messages`` promises ``batch-shape``: a conversation's sampled rows
     draw on their place in the request (its choice index), so the same conversation sent
-    in another composition draws differently."""
+    in another composition draws differently. On an engine whose rows may depend on what
+    shares their batch (``invariant`` False) the promise is ``best-effort``: the same
+    draws, on logits that can differ with the load."""
     extra = getattr(request, "extra_messages", None)
-    scope = "batch-shape" if isinstance(extra, list) and extra else "request"
+    scope = "best-effort" if not invariant else "batch-shape" if isinstance(extra, list) and extra else "request"
     return f'{seed};scope="{scope}"'
 
 
@@ -133,7 +136,8 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
         changes["top_k"] = int(values["top_k"]) or TOP_K_ZERO_MEANS
     if _set(request.seed):
         changes["seed"] = int(request.seed)
-        ctx.set_header(SEED_HEADER, seed_header(int(request.seed), request))
+        engine = ctx.model.engine if ctx.model is not None else None
+        ctx.set_header(SEED_HEADER, seed_header(int(request.seed), request, batch_invariant(engine)))
     if changes:
         plan.sampling = msgspec.structs.replace(plan.sampling, **changes)
 

@@ -1,15 +1,15 @@
-"""Same answer under load on the real model: SmolLM2-135M in bfloat16 on the transformers
-engine (invariant by default), and the packaged Q4_1 GGUF with --batch-invariant (one
-sequence per decode call). 8 identical and 8 different greedy requests sent 50 ms apart
-(so later ones join a running batch) each get their solo text. The GGUF engine's shared
-batches are not invariant — llama.cpp's kernels change with the sequences a call carries
-— and its responses say so (X-miLLM-Backend: batched;invariant=?0)."""
+"""Same answer under load on the real model, by default: SmolLM2-135M in bfloat16 on the
+transformers engine, and the packaged Q4_1 GGUF on llama.cpp (a KV stream per sequence,
+flash attention, checked at load). 8 identical and 8 different greedy requests sent 50 ms
+apart (so later ones join a running batch) each get their solo text, and so do 8 seeded
+sampled ones on the GGUF file."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -23,8 +23,8 @@ PROMPTS = ["Tell me about the sea.", "hi", "What is 2 + 2? Explain step by step.
 TOKENS = 24
 
 
-def complete(srv: ServeProcess, model: str, prompt: str) -> httpx.Response:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": TOKENS, "temperature": 0}
+def complete(srv: ServeProcess, model: str, prompt: str, **sampling: Any) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": TOKENS, "temperature": 0, **sampling}
     resp = httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=300)
     assert resp.status_code == 200, resp.text
     return resp
@@ -34,11 +34,11 @@ def text(resp: httpx.Response) -> str:
     return str(resp.json()["choices"][0]["message"]["content"])
 
 
-def under_load(srv: ServeProcess, model: str, prompts: list[str]) -> list[str]:
+def under_load(srv: ServeProcess, model: str, prompts: list[str], **sampling: Any) -> list[str]:
     out = [""] * len(prompts)
 
     def run(i: int) -> None:
-        out[i] = text(complete(srv, model, prompts[i]))
+        out[i] = text(complete(srv, model, prompts[i], **sampling))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
@@ -49,10 +49,10 @@ def under_load(srv: ServeProcess, model: str, prompts: list[str]) -> list[str]:
     return out
 
 
-def check(srv: ServeProcess, model: str) -> None:
-    solo = [text(complete(srv, model, p)) for p in PROMPTS]
-    assert under_load(srv, model, [PROMPTS[0]] * 8) == [solo[0]] * 8
-    assert under_load(srv, model, PROMPTS) == solo
+def check(srv: ServeProcess, model: str, **sampling: Any) -> None:
+    solo = [text(complete(srv, model, p, **sampling)) for p in PROMPTS]
+    assert under_load(srv, model, [PROMPTS[0]] * 8, **sampling) == [solo[0]] * 8
+    assert under_load(srv, model, PROMPTS, **sampling) == solo
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +66,8 @@ def bf16_server() -> Iterator[ServeProcess]:
 
 
 @pytest.fixture(scope="module")
-def invariant_gguf() -> Iterator[ServeProcess]:
-    server = ServeProcess(["--engine", "gguf", "--batch-invariant", "true"])
+def gguf_server() -> Iterator[ServeProcess]:
+    server = ServeProcess(["--engine", "gguf"])
     try:
         server.wait_ready(timeout=300)
         yield server
@@ -81,7 +81,9 @@ def test_smollm2_bf16_answers_the_same_under_load(bf16_server: ServeProcess) -> 
     check(bf16_server, "SmolLM2-135M-Instruct")
 
 
-def test_q4_1_gguf_with_batch_invariant_answers_the_same_under_load(invariant_gguf: ServeProcess) -> None:
+def test_q4_1_gguf_answers_the_same_under_load(gguf_server: ServeProcess) -> None:
     model = "SmolLM2-135M-Instruct-GGUF:Q4_1"
-    assert complete(invariant_gguf, model, "hi").headers["x-millm-backend"] == "serial"
-    check(invariant_gguf, model)
+    resp = complete(gguf_server, model, "hi", seed=3)
+    assert resp.headers["x-millm-backend"] == "batched" and resp.headers["x-millm-seed"] == '3;scope="request"'
+    check(gguf_server, model)
+    check(gguf_server, model, temperature=0.8, seed=3)

@@ -71,13 +71,13 @@ def test_rows_joining_a_running_batch_get_what_they_get_alone(gguf_model, tiny_e
 
 def test_a_rewind_frees_the_rows_kv_cells(gguf_model, tiny_engine) -> None:  # type: ignore[no-untyped-def]
     """A rewound row's sequence keeps the cache positions before the re-fed token only (all
-    of them freed when it goes back to its prompt, which the next step runs again), and
-    its reservation of cells neither grows nor shrinks."""
+    of them freed when it goes back to its prompt, which the next step runs again); the
+    sequence stays the row's until the batch closes."""
     import llama_cpp as L
 
     engine = gguf_model.engine
     ids = tiny_engine.encode(PROMPTS[0], add_special_tokens=True)
-    reserved = engine._reserved
+    free = list(engine._free_seqs)
     batch = engine.open_batch([RowSpec(prompt_ids=tuple(ids), sampling=SamplingParams(temperature=0.0), max_new_tokens=12)])
     seq = batch.rows[0].seq
 
@@ -92,12 +92,12 @@ def test_a_rewind_frees_the_rows_kv_cells(gguf_model, tiny_engine) -> None:  # t
         assert last_position() == len(ids) + 3  # the 5th draw is fed again at len(ids) + 4
         engine.rewind(batch, 0, 5)
         assert last_position() == -1
-        assert engine._reserved == reserved + len(ids) + 12
+        assert seq not in engine._free_seqs
         engine.step(batch, [None])
         assert last_position() == len(ids) - 1
     finally:
         engine.close(batch)
-    assert engine._reserved == reserved
+    assert engine._free_seqs == free
 
 
 def test_dtype_other_than_auto_is_refused_not_ignored(gguf_path: str) -> None:
