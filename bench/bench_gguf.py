@@ -55,7 +55,9 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) ->
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
             listed = httpx.get(url + "/v1/models", timeout=2)
-            if listed.status_code == 200 and listed.json().get("data"):  # millm lists the model once it is loaded
+            data = listed.json().get("data") if listed.status_code == 200 else None
+            # millm lists its model while it loads ("millm": {"state": ...}); a peer once it is loaded
+            if data and all((m.get("millm") or {}).get("state", "loaded") == "loaded" for m in data):
                 return
         except httpx.HTTPError:
             pass
@@ -64,11 +66,15 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) ->
 
 
 class Server:
-    def __init__(self, name: str, args: list[str], port: int) -> None:
+    def __init__(self, name: str, args: list[str], port: int, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_ready(self.url, self.proc)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+        try:
+            wait_ready(self.url, self.proc)
+        except BaseException:
+            self.stop()
+            raise
         self.model = httpx.get(self.url + "/v1/models").json()["data"][0]["id"]
 
     def stop(self) -> None:

@@ -67,6 +67,61 @@ class Piece:
     output: bool
 
 
+def _meta(model: ctypes.c_void_p, key: str) -> str | None:
+    buf = ctypes.create_string_buffer(4096)
+    n = L.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    if n < 0:
+        return None
+    if n >= len(buf):
+        buf = ctypes.create_string_buffer(n + 1)
+        L.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True)
+class FileFacts:
+    """What a GGUF file's metadata says, read without loading its tensors: its
+    ``general.file_type``, trained context, and the bytes one KV cell (one position of
+    one sequence, every layer's keys and values) takes in an f16 cache (0 when the
+    metadata does not say enough)."""
+
+    file_type: int | None
+    context: int
+    cell_bytes: int
+
+
+def file_facts(path: str) -> FileFacts:
+    """Read :class:`FileFacts` from ``path`` (llama.cpp's vocab-only load: no tensors)."""
+    L.llama_backend_init()
+    params = L.llama_model_default_params()
+    params.vocab_only = True
+    model = L.llama_model_load_from_file(path.encode(), params)
+    if not model:
+        raise InternalError(f"llama.cpp could not read {path!r}")
+    try:
+        arch = _meta(model, "general.architecture") or ""
+
+        def number(key: str) -> int | None:
+            value = _meta(model, f"{arch}.{key}")
+            try:
+                return int(value) if value is not None else None
+            except ValueError:  # per-layer arrays and the like
+                return None
+
+        heads = number("attention.head_count") or 1
+        kv_heads = number("attention.head_count_kv") or heads
+        key_length = number("attention.key_length") or (number("embedding_length") or 0) // heads
+        value_length = number("attention.value_length") or key_length
+        file_type = _meta(model, "general.file_type")
+        return FileFacts(
+            file_type=int(file_type) if file_type and file_type.isdigit() else None,
+            context=number("context_length") or 0,
+            cell_bytes=(number("block_count") or 0) * kv_heads * (key_length + value_length) * 2,
+        )
+    finally:
+        L.llama_model_free(model)
+
+
 class LlamaModel:
     """The loaded GGUF file and its contexts."""
 
@@ -116,14 +171,7 @@ class LlamaModel:
     # ------------------------------------------------------------------ metadata
 
     def meta(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(4096)
-        n = L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
-        if n < 0:
-            return None
-        if n >= len(buf):
-            buf = ctypes.create_string_buffer(n + 1)
-            L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", errors="replace")
+        return _meta(self.model, key)
 
     def chat_template(self) -> str | None:
         raw = L.llama_model_chat_template(self.model, None)
@@ -145,13 +193,6 @@ class LlamaModel:
     def n_cells(self) -> int:
         """KV cells over all sequences' streams."""
         return int(L.llama_n_ctx(self.ctx))
-
-    def bytes_per_cell(self, *, f32: bool) -> int:
-        """Bytes one KV cell (one position of one sequence) takes over all layers, keys
-        and values, for an f16 (or f32) cache."""
-        heads = max(int(L.llama_model_n_head(self.model)), 1)
-        head_dim = int(self.meta(f"{self.meta('general.architecture')}.attention.key_length") or self.n_embd // heads)
-        return self.n_layer * 2 * int(L.llama_model_n_head_kv(self.model)) * head_dim * (4 if f32 else 2)
 
     def special(self, name: str) -> int | None:
         token = int(getattr(L, f"llama_vocab_{name}")(self.vocab))

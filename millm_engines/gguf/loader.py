@@ -11,7 +11,7 @@ from millm_core.api import Capability, ConfigError, ModelInfo, ModelLocation, Se
 
 from . import naming
 from .engine import GGUFEngine
-from .llama import LlamaModel
+from .llama import LlamaModel, file_facts
 from .plugin import CAPABILITIES, EMBEDDINGS, ENGINE, KV_CELLS, PARALLEL, PREFIX_CACHE_MB
 from .prefix import StateCache
 
@@ -49,18 +49,15 @@ def load_engine(location: ModelLocation, settings: Settings) -> GGUFEngine:
     # here. Where they are not (f32 attention, or kernels that change with the rows a call
     # carries), --batch-invariant gives one sequence at a time; otherwise responses say so.
     threads = settings.threads or os.cpu_count() or 1
-    probe = LlamaModel(location.path, n_ctx=256, n_seq_max=1, threads=threads, f32_kv=False)
-    try:
-        file_type = probe.meta("general.file_type")
-        trained = probe.n_ctx_train
-        cell_bytes = probe.bytes_per_cell(f32=False)
-    finally:
-        probe.close()
-    tag = location.quantization or naming.tag_of_file_type(int(file_type) if file_type else None) or naming.tag_of_filename(location.path)
+    facts = file_facts(location.path)
+    trained = facts.context
+    if trained <= 0:
+        raise ConfigError(f"{location.path}: no context length in its metadata")
+    tag = location.quantization or naming.tag_of_file_type(facts.file_type) or naming.tag_of_filename(location.path)
     if tag is None:
         raise ConfigError(f"{location.path}: no quantization tag in its metadata or its name")
     f32 = tag == "F32"
-    cell_bytes *= 2 if f32 else 1
+    cell_bytes = facts.cell_bytes * (2 if f32 else 1)
     embeddings = EMBEDDINGS.get(settings)
     context = min(settings.max_model_len or trained, trained)
     parallel = PARALLEL.get(settings) or 1
@@ -129,3 +126,15 @@ def load_engine(location: ModelLocation, settings: Settings) -> GGUFEngine:
         seconds=round(time.perf_counter() - started, 2),
     )
     return engine
+
+
+def kv_cache_bytes(location: ModelLocation, settings: Settings) -> int:
+    """The KV cache a load of ``location`` with ``settings`` would allocate (for the
+    preflight's memory figure; one sequence at a time, if the load-time check sends a
+    file there, needs less)."""
+    facts = file_facts(location.path)
+    context = min(settings.max_model_len or facts.context, facts.context)
+    parallel = PARALLEL.get(settings) or 1
+    f32 = (location.quantization or naming.tag_of_file_type(facts.file_type) or naming.tag_of_filename(location.path)) == "F32"
+    cell_bytes = facts.cell_bytes * (2 if f32 else 1)
+    return _cells_per_sequence(settings, context, parallel, cell_bytes) * parallel * cell_bytes

@@ -57,8 +57,12 @@ def _load(location: ModelLocation, settings: Settings) -> object:
 
 
 def _preflight(location: ModelLocation, settings: Settings) -> LoadPlan:
-    """llama.cpp maps the file: the weights take its size in memory."""
-    return LoadPlan(need={"cpu": os.path.getsize(location.path)}, free={"cpu": host_available_bytes()})
+    """llama.cpp maps the file, so the weights take its size in memory, and allocates
+    the sequences' KV cache (read from the file's metadata, without its tensors)."""
+    from .loader import kv_cache_bytes
+
+    need = os.path.getsize(location.path) + kv_cache_bytes(location, settings)
+    return LoadPlan(need={"cpu": need}, free={"cpu": host_available_bytes()})
 
 
 @hookimpl

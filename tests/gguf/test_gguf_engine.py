@@ -111,3 +111,38 @@ def test_dtype_other_than_auto_is_refused_not_ignored(gguf_path: str) -> None:
 
     with pytest.raises(ConfigError, match="--dtype bfloat16 cannot apply to a GGUF model"):
         load_gguf(gguf_path, dtype="bfloat16")
+
+
+def test_the_kv_cache_is_a_stream_per_sequence_and_the_preflight_counts_it(gguf_path: str, tiny_dir: str) -> None:
+    """Each of the 8 sequences gets the model's whole context (the cache is far below the
+    2 GiB default budget), and the memory a load needs counts that cache: f32 keys and
+    values of every layer's KV heads, from the HF config the file was written from."""
+    import json
+    import os
+
+    from millm_core.config import load_settings
+    from millm_core.engine import ModelLocation
+    from millm_core.plugins import PluginHost
+    from millm_engines.gguf.plugin import _preflight
+
+    from .helpers import load_gguf
+
+    with open(os.path.join(tiny_dir, "config.json")) as fh:
+        cfg = json.load(fh)
+    cell = cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2 * 4  # keys and values, f32
+    context = cfg["max_position_embeddings"]
+    model = load_gguf(gguf_path)
+    try:
+        assert model.info.context_length == context and model.engine.cells_per_seq == context
+        assert model.engine.llm.n_cells == 8 * context
+    finally:
+        model.engine.llm.close()
+    settings = load_settings({}, environ={}, plugin_settings=PluginHost.declared_settings())
+    plan = _preflight(ModelLocation(path=gguf_path, served_name="x"), settings)
+    assert plan.need["cpu"] == os.path.getsize(gguf_path) + 8 * context * cell
+    # --gguf-kv-cells shares the cells equally; a stream shorter than the context serves less
+    short = load_gguf(gguf_path, gguf_kv_cells=8 * 256)
+    try:
+        assert short.info.context_length == 256 and short.engine.cells_per_seq == 256 == short.engine.llm.n_cells // 8
+    finally:
+        short.engine.llm.close()

@@ -1,0 +1,187 @@
+"""millm against ``transformers serve --continuous-batching`` on SmolLM2-135M-Instruct in
+bfloat16 on CPU, through HTTP, one server at a time, in one run.
+
+Both serve the same local checkpoint (the default model's converted directory). For each
+server, started alone, measured and stopped, greedy streaming chat completions measure
+  - 1 stream: up to ``--tokens`` (128) new tokens; tok/s from the completion tokens the
+    server reports (``usage`` in the last chunk; content chunks where it sends none);
+  - ``--streams`` (8) streams of ``--tokens // 2`` (64) tokens, different prompts, sent at
+    once: aggregate tok/s = completion tokens / wall time from the first send to the last
+    finish;
+  - batch invariance (first round only: the peer is slow on this machine): each prompt's
+    solo text (one request at a time), then the first prompt 8 times at once (how many
+    equal its solo text, how many distinct texts), and the 8 different prompts at once
+    (the throughput run's texts: how many equal their solo texts).
+Two rounds alternate the order of the servers; medians are compared.
+
+The peer runs offline (``HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1``) with ``--dtype
+bfloat16 --device cpu`` and a paged cache sized for this workload (``--cb-block-size 32
+--cb-num-blocks 128 --cb-max-batch-tokens 512``): its defaults size the cache and the
+attention mask from free memory (~6 GiB here) and decode about 4x slower. Its
+/v1/chat/completions takes the model id it lists (the directory path). If it cannot
+start, it is reported unavailable and only millm is measured.
+
+Usage: python bench/bench_peers.py [--tokens 128] [--streams 8] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import httpx  # noqa: E402
+from bench_decode import smollm2_dir  # noqa: E402
+from bench_gguf import Server, free_port  # noqa: E402
+
+PROMPTS = ["Tell me about the sea.", "hi", "What is 2 + 2? Explain step by step.", "Write a haiku.",
+           "List three colours.", "Why is the sky blue?", "Say hello in French and in German.", "ok"]  # fmt: skip  # tests/e2e/test_invariance_e2e.py
+MILLM = "millm"
+PEER = "transformers serve"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def start(name: str, model_dir: str) -> Server:
+    port = free_port()
+    if name == MILLM:
+        args = [sys.executable, "-m", "millm_core.cli", "serve", "--dtype", "bfloat16", "--port", str(port), "--log-level", "warning", "--db", ":memory:"]
+        return Server(name, args, port, env=OFFLINE)
+    exe = shutil.which("transformers", path=os.path.dirname(sys.executable)) or "transformers"
+    args = [exe, "serve", "--continuous-batching", "--dtype", "bfloat16", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
+            "--cb-block-size", "32", "--cb-num-blocks", "128", "--cb-max-batch-tokens", "512", model_dir]  # fmt: skip
+    return Server(name, args, port, env=OFFLINE)
+
+
+def stream(server: Server, prompt: str, tokens: int) -> tuple[str, int]:
+    """(text, completion tokens) of one greedy streaming chat completion."""
+    body = {"model": server.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    parts: list[str] = []
+    usage: int | None = None
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=900) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                if content := (choice.get("delta") or {}).get("content"):
+                    parts.append(content)
+            if chunk.get("usage"):
+                usage = int(chunk["usage"]["completion_tokens"])
+    return "".join(parts), usage if usage is not None else len(parts)
+
+
+def at_once(server: Server, prompts: list[str], tokens: int) -> tuple[list[str], float]:
+    """Texts of ``prompts`` sent at once, and aggregate tok/s (first send to last finish)."""
+    out: list[tuple[str, int]] = [("", 0)] * len(prompts)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = stream(server, prompts[i], tokens)
+        except Exception as exc:  # reported after the join
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    if errors:
+        raise RuntimeError(f"{server.name}: {len(errors)} of {len(prompts)} streams failed: {errors[0]!r}")
+    return [text for text, _ in out], sum(n for _, n in out) / wall
+
+
+def measure(name: str, model_dir: str, args: argparse.Namespace, invariance: bool) -> dict[str, Any]:
+    began = time.perf_counter()
+    server = start(name, model_dir)
+    loaded = time.perf_counter() - began
+    try:
+        stream(server, PROMPTS[0], 4)  # warm-up
+        started = time.perf_counter()
+        _, n = stream(server, PROMPTS[0], args.tokens)
+        single = n / (time.perf_counter() - started)
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.streams)]
+        different, aggregate = at_once(server, prompts, args.tokens // 2)
+        row: dict[str, Any] = {"single": single, "aggregate": aggregate, "load_s": loaded}
+        if invariance:
+            solo = {p: stream(server, p, args.tokens // 2)[0] for p in dict.fromkeys(prompts)}
+            same, _ = at_once(server, [PROMPTS[0]] * args.streams, args.tokens // 2)
+            row["invariance"] = {
+                "identical_equal_solo": sum(t == solo[PROMPTS[0]] for t in same),
+                "identical_distinct_texts": len(set(same)),
+                "different_equal_solo": sum(t == solo[p] for t, p in zip(different, prompts, strict=True)),
+                "of": args.streams,
+            }
+    finally:
+        server.stop()
+    print(f"{name:18s} 1 stream {single:6.1f} tok/s, {args.streams} streams {aggregate:6.1f} tok/s aggregate"
+          + (f", invariance {row['invariance']}" if invariance else "") + f"  (load {loaded:.0f}s, round {time.perf_counter() - began:.0f}s)", flush=True)  # fmt: skip
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    model_dir = smollm2_dir()
+    rows: dict[str, list[dict[str, Any]]] = {MILLM: [], PEER: []}
+    peer_error: str | None = None
+    for round_ in range(args.rounds):
+        for name in (MILLM, PEER) if round_ % 2 == 0 else (PEER, MILLM):
+            if name == PEER and peer_error:
+                continue
+            try:
+                rows[name].append(measure(name, model_dir, args, invariance=round_ == 0 or not any("invariance" in r for r in rows[name])))
+            except Exception as exc:
+                if name == MILLM:
+                    raise
+                peer_error = f"{type(exc).__name__}: {exc}"
+                print(f"{PEER}: unavailable ({peer_error})", flush=True)
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in ("single", "aggregate")} for name, rs in rows.items() if rs}
+    inv = {name: next((r["invariance"] for r in rs if "invariance" in r), None) for name, rs in rows.items() if rs}
+    summary: dict[str, Any] = {
+        "model": "SmolLM2-135M-Instruct (bfloat16, CPU)",
+        "tokens": args.tokens,
+        "streams": args.streams,
+        "stream_tokens": args.tokens // 2,
+        "rounds": args.rounds,
+        "peer": "transformers serve --continuous-batching --dtype bfloat16 --device cpu --cb-block-size 32 --cb-num-blocks 128 --cb-max-batch-tokens 512",
+        "peer_available": peer_error is None and bool(rows[PEER]),
+        "peer_error": peer_error,
+        "medians": med,
+        "invariance": inv,
+        "samples": rows,
+    }
+    print(f"\n{'':20s}{'1 stream tok/s':>16s}{f'{args.streams} streams tok/s':>18s}   invariance (identical equal solo / distinct texts / different equal solo)")
+    for name in med:
+        i = inv.get(name) or {}
+        print(f"{name:20s}{med[name]['single']:16.1f}{med[name]['aggregate']:18.1f}   "
+              f"{i.get('identical_equal_solo')}/{i.get('of')} / {i.get('identical_distinct_texts')} / {i.get('different_equal_solo')}/{i.get('of')}")  # fmt: skip
+    if MILLM in med and PEER in med:
+        summary["single_ratio"] = med[MILLM]["single"] / med[PEER]["single"]
+        summary["aggregate_ratio"] = med[MILLM]["aggregate"] / med[PEER]["aggregate"]
+        print(f"millm / peer: 1 stream {summary['single_ratio']:.2f}x, {args.streams} streams {summary['aggregate_ratio']:.2f}x")
+    else:
+        print(f"{PEER} unavailable: {peer_error}")
+    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
+    with open(os.path.join(os.path.dirname(__file__), "results", "peers.json"), "w") as fh:
+        json.dump(summary, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
