@@ -47,7 +47,7 @@ _HELP = {
     "max_connections": "open client connections at once; more wait unaccepted until one closes (default 512, 0: no cap)",
     "chat_template": "a Jinja chat template file to serve instead of the model's own (for example one that takes tools)",
     "threads": "CPU threads model code uses (default: the engine library's own choice)",
-    "batch_invariant": "true: a row's tokens never depend on what shares its batch, on every engine (an f32 GGUF file then decodes one sequence at a time; default false: other models are invariant anyway, or say they are not)",
+    "batch_invariant": "true: a row's tokens never depend on what shares its batch, on every engine (a GGUF file whose shared batches are not invariant then decodes one sequence at a time; default false: the others are invariant anyway, or say they are not)",
     "cache_dir": "where converted models are cached (default ~/.cache/millm)",
     "db": "the SQLite database for what persists (default ~/.local/share/millm/millm.db)",
     "model_roots": "comma-separated directories whose checkpoint folders and GGUF files GET /api/models lists as loadable (default: none)",

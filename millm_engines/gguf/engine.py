@@ -44,6 +44,12 @@ from .llama import LlamaModel, Piece
 from .prefix import CHUNK, StateCache
 from .sampler import sample_row
 
+# From this position on a row decodes in a call of its own: with 257 cells or more, alone
+# in a call, llama.cpp's CPU flash attention (``use_split_kv_path``: one query, one
+# sequence, 512 keys or more in view, the view padded to 256 cells) sums its keys in
+# per-thread chunks, where beside other sequences it sums them in one pass.
+LONG_ROW = 256
+
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
@@ -247,14 +253,36 @@ class GGUFEngine:
             self.prefix.store(row.tokens[:whole], self.llm.save(row.seq))
 
     def _calls(self, pieces: Sequence[Piece]) -> list[list[Piece]]:
-        """The decode calls carrying ``pieces``: at most ``n_batch`` each and, with one
-        sequence at a time, ending at the multiples of CHUNK."""
-        calls: list[list[Piece]] = []
+        """The decode calls carrying ``pieces`` (grouped by sequence, in row order), cut so
+        that every row's numbers are those it gets alone (see :mod:`.llama`):
+
+        - a row's prompt (several pieces) is cut where it would be alone: at the multiples
+          of ``n_batch`` positions (of CHUNK with one sequence at a time), and shares a
+          call only with other rows' single tokens, never with another prompt;
+        - a row decoding at position ``LONG_ROW`` or later has a call of its own (alone,
+          llama.cpp's CPU flash attention splits its keys over threads);
+        - the other rows' single tokens share one call.
+        """
+        by_seq: dict[int, list[Piece]] = {}
         for piece in pieces:
-            if not calls or len(calls[-1]) == self.llm.n_batch or (self.chunked and piece.pos % CHUNK == 0):
-                calls.append([])
-            calls[-1].append(piece)
-        return calls
+            by_seq.setdefault(piece.seq, []).append(piece)
+        shared: list[Piece] = []
+        own: list[list[Piece]] = []
+        prompts: list[list[Piece]] = []
+        cut = CHUNK if self.chunked else self.llm.n_batch
+        for row in by_seq.values():
+            if len(row) == 1 and row[0].pos >= LONG_ROW:
+                own.append(row)
+            elif len(row) == 1:
+                shared.append(row[0])
+            else:
+                for piece in row:
+                    if not prompts or piece.pos % cut == 0 or prompts[-1][-1].seq != piece.seq:
+                        prompts.append([])
+                    prompts[-1].append(piece)
+        if not prompts:
+            return [shared, *own] if shared else own
+        return [shared + prompts[0], *prompts[1:], *own]
 
     def step(self, batch: GGUFBatch, biases: Sequence[Mapping[int, float] | None], allowed: Sequence[Any] | None = None) -> list[int]:
         if self.prefix is not None:
@@ -266,11 +294,13 @@ class GGUFEngine:
             pending = row.tokens[row.n_past :]
             for offset, token in enumerate(pending):
                 pieces.append(Piece(token=token, seq=row.seq, pos=row.n_past + offset, output=offset == len(pending) - 1))
-        logits: list[np.ndarray] = []
+        by_seq: dict[int, np.ndarray] = {}
         for call in self._calls(pieces):
-            logits.extend(self.llm.decode(call))
+            outputs = [piece.seq for piece in call if piece.output]
+            by_seq.update(zip(outputs, self.llm.decode(call), strict=True))
             if self.prefix is not None:
                 self._save(batch.rows, call)
+        logits = [by_seq[row.seq] for row in batch.rows]
         out: list[int] = []
         broken: dict[int, BaseException] = {}
         masks: Sequence[Any] = allowed if allowed is not None else [None] * len(batch.rows)

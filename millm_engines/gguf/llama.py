@@ -20,10 +20,15 @@ Three choices make a sequence's numerics independent of what shares its decode c
 An f32 model keeps unfused f32 attention, because flash attention would compute it in
 f16: its shared batches are not invariant (:attr:`LlamaModel.flash_attn` is False).
 
-Some kernels still depend on the rows a call carries: in SmolLM2's Q4_K_M file a row's
-logits change by up to 1.5 when a second row's logits are computed in the same call
-(llama.cpp runs the last layer on the output rows only). :meth:`LlamaModel.shares_exactly`
-checks a loaded file at load time, bit for bit, and the engine reports what it found.
+Two things still depend on what shares a call, and the engine's calls avoid both (see
+``GGUFEngine._calls``): two prompts in one call change each other's numbers (0.62 in a
+300-token prompt's logits on SmolLM2 Q4_1), and the CPU's flash attention splits a lone
+query's keys over its threads once a call holds one sequence with 512 or more cells in
+view (``use_split_kv_path``), a different order from the shared kernel. So each prompt
+gets a call of its own beside other rows' single tokens, cut at the same positions as
+alone, and a row past ``LONG_ROW`` positions decodes in a call of its own.
+:meth:`LlamaModel.shares_exactly` checks a loaded file, bit for bit, in the ways the
+engine shares calls, and the engine reports what it found.
 """
 
 from __future__ import annotations
@@ -125,7 +130,9 @@ def file_facts(path: str) -> FileFacts:
 class LlamaModel:
     """The loaded GGUF file and its contexts."""
 
-    def __init__(self, path: str, *, n_ctx: int, n_seq_max: int, threads: int | None, f32_kv: bool, n_batch: int = 512) -> None:
+    def __init__(
+        self, path: str, *, n_ctx: int, n_seq_max: int, threads: int | None, f32_kv: bool, n_batch: int = 512, flash_attn: bool = True
+    ) -> None:
         L.llama_backend_init()
         mparams = L.llama_model_default_params()
         mparams.use_extra_bufts = False  # see the module docstring
@@ -134,21 +141,24 @@ class LlamaModel:
             raise InternalError(f"llama.cpp could not load {path!r}")
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
-        self.n_batch = n_batch
+        self.n_batch = n_batch  # a prompt's pieces per call
+        # A call carries one prompt's n_batch pieces and, beside them, one token of each
+        # other sequence.
+        self.call_capacity = n_batch + n_seq_max - 1
         self.threads = threads
         self.f32_kv = f32_kv
         # f32 attention stays unfused (flash attention would run it in f16); see above.
-        self.flash_attn = not f32_kv
+        self.flash_attn = flash_attn and not f32_kv
         self.ctx = self._context(n_ctx=n_ctx, n_seq_max=n_seq_max, embeddings=False)
         self.memory = L.llama_get_memory(self.ctx)
         self._embed_ctx: ctypes.c_void_p | None = None
-        self._batch = L.llama_batch_init(n_batch, 0, 1)
+        self._batch = L.llama_batch_init(self.call_capacity, 0, 1)
 
     def _context(self, *, n_ctx: int, n_seq_max: int, embeddings: bool) -> ctypes.c_void_p:
         params = L.llama_context_default_params()
         params.n_ctx = n_ctx
-        params.n_batch = self.n_batch
-        params.n_ubatch = self.n_batch
+        params.n_batch = self.call_capacity
+        params.n_ubatch = self.call_capacity
         params.n_seq_max = n_seq_max
         params.kv_unified = False  # a KV stream per sequence: n_ctx / n_seq_max cells each
         if self.threads:
@@ -157,9 +167,7 @@ class LlamaModel:
         if self.f32_kv:  # an f32 model keeps f32 attention: f16 state (or flash attention's f16 path) costs ~1e-2 in the logits
             params.type_k = GGML_TYPE_F32
             params.type_v = GGML_TYPE_F32
-            params.flash_attn_type = FLASH_ATTN_DISABLED
-        else:
-            params.flash_attn_type = FLASH_ATTN_ENABLED
+        params.flash_attn_type = FLASH_ATTN_ENABLED if self.flash_attn else FLASH_ATTN_DISABLED
         params.embeddings = embeddings
         if embeddings:
             params.pooling_type = POOLING_MEAN
@@ -228,7 +236,7 @@ class LlamaModel:
     # ------------------------------------------------------------------ compute
 
     def decode(self, pieces: Sequence[Piece]) -> list[np.ndarray]:
-        """Run ``pieces`` (at most ``n_batch``) and return the logits of each output piece,
+        """Run ``pieces`` (at most ``call_capacity``) and return the logits of each output piece,
         in order (float32 copies)."""
         self._fill(pieces)
         status = L.llama_decode(self.ctx, self._batch)
@@ -242,7 +250,7 @@ class LlamaModel:
         return out
 
     def _fill(self, pieces: Sequence[Piece]) -> None:
-        assert 0 < len(pieces) <= self.n_batch
+        assert 0 < len(pieces) <= self.call_capacity
         batch = self._batch
         batch.n_tokens = len(pieces)
         for i, piece in enumerate(pieces):
@@ -254,31 +262,38 @@ class LlamaModel:
 
     def shares_exactly(self) -> bool:
         """Whether one sequence's logits are bit for bit the same alone and sharing decode
-        calls: a prefill beside another prompt, a decode step beside a joining prompt,
-        then a step of three rows, against the same tokens alone. Uses sequences 0 to 2
-        of an idle context and leaves them empty."""
-        if int(L.llama_n_seq_max(self.ctx)) < 3:
+        calls the way the engine shares them (a prompt beside other rows' single tokens,
+        cut where another row's token fills the call, several rows' logits per call),
+        against the same tokens alone. Uses sequences 0 to 2 (0 and 1 with two) of an idle
+        context and leaves them empty."""
+        n_seq = int(L.llama_n_seq_max(self.ctx))
+        if n_seq < 2:
             return True  # nothing ever shares a call
-        ids = [(97 * i + 13) % self.n_vocab for i in range(40)]
-        a, b, c = ids[:12], ids[12:19], ids[19:40]
+        ids = [(97 * i + 13) % self.n_vocab for i in range(60)]
+        a, b, c = ids[:40], ids[40:47], ids[47:60]
 
-        def prefill(tokens: list[int], seq: int) -> list[Piece]:
-            return [Piece(t, seq, p, p == len(tokens) - 1) for p, t in enumerate(tokens)]
+        def run(tokens: list[int], seq: int, start: int = 0, output: bool = True) -> list[Piece]:
+            return [Piece(t, seq, start + p, output and p == len(tokens) - 1) for p, t in enumerate(tokens)]
 
         try:
-            alone = [self.decode(prefill(a, 0))[0]]
+            alone = [self.decode(run(a, 0))[0]]
             follow = [int(np.argmax(alone[0])), int(np.argmax(alone[0][::-1]))]  # any two tokens, fixed
             for step, token in enumerate(follow):
                 alone.append(self.decode([Piece(token, 0, len(a) + step, True)])[0])
             self.forget(0)
-            shared = [self.decode(prefill(a, 0) + prefill(b, 1))[0]]
-            shared.append(self.decode([Piece(follow[0], 0, len(a), True), *prefill(c, 2)])[0])
-            three = [Piece(follow[1], 0, len(a) + 1, True), Piece(follow[0], 1, len(b), True), Piece(follow[1], 2, len(c), True)]
-            shared.append(self.decode(three)[0])
+            self.decode(run(b, 1))
+            self.decode([Piece(b[0], 1, len(b), False), *run(a[:9], 0, output=False)])  # a's prompt cut at 9
+            shared = [self.decode([Piece(b[1], 1, len(b) + 1, True), *run(a[9:], 0, start=9)])[-1]]
+            joining = run(c, 2) if n_seq > 2 else []
+            shared.append(self.decode([Piece(follow[0], 0, len(a), True), *joining])[0])
+            rows = [Piece(follow[1], 0, len(a) + 1, True), Piece(b[2], 1, len(b) + 2, True)]
+            if joining:
+                rows.append(Piece(follow[1], 2, len(c), True))
+            shared.append(self.decode(rows)[0])
         finally:
-            for seq in range(3):
+            for seq in range(min(n_seq, 3)):
                 self.forget(seq)
-        return all(np.array_equal(x, y) for x, y in zip(alone, shared, strict=True))
+        return all(np.array_equal(x, y, equal_nan=True) for x, y in zip(alone, shared, strict=True))
 
     def forget(self, seq: int) -> None:
         """Free every KV cell of sequence ``seq``."""
@@ -327,12 +342,12 @@ class LlamaModel:
         """The mean of the last hidden states over ``ids`` (llama.cpp's MEAN pooling), in a
         separate context whose one batch holds a whole input of up to ``n_ctx`` tokens."""
         if self._embed_ctx is None:
-            saved = self.n_batch
-            self.n_batch = n_ctx
+            saved = self.call_capacity
+            self.call_capacity = n_ctx
             try:
                 self._embed_ctx = self._context(n_ctx=n_ctx, n_seq_max=1, embeddings=True)
             finally:
-                self.n_batch = saved
+                self.call_capacity = saved
         ctx = self._embed_ctx
         L.llama_memory_clear(L.llama_get_memory(ctx), True)
         batch = L.llama_batch_init(len(ids), 0, 1)

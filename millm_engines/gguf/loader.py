@@ -19,24 +19,35 @@ log = structlog.get_logger("millm.gguf")
 # The KV cache's size when neither --max-model-len nor --gguf-kv-cells says: every
 # sequence gets the model's context if all of them fit in this, else an equal share.
 DEFAULT_KV_BYTES = 2 * 2**30
-MIN_CELLS = 16
+# llama.cpp gives each stream a multiple of this many cells.
+CELL_PAD = 256
+# Files whose shared batches were verified invariant under churn on this project's CPU
+# (tests/gguf/test_gguf_invariance.py): 24 requests joining and leaving a batch of 8 each
+# kept their solo tokens. A Q4_K_M file passes the load-time check and still changed 8 of
+# 24, so other quantizations say they are not invariant rather than promise it.
+VERIFIED_QUANTIZATIONS = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 
 
 def _cells_per_sequence(settings: Settings, context: int, parallel: int, cell_bytes: int) -> int:
     """KV cells in each sequence's stream: --gguf-kv-cells shared equally, the context
-    when --max-model-len asks for it, else the context within DEFAULT_KV_BYTES."""
+    when --max-model-len asks for it (whatever the cache's size: the preflight counts
+    it), else the context within DEFAULT_KV_BYTES."""
     total = KV_CELLS.get(settings)
     if total:
         per_seq = total // parallel
-        if per_seq < MIN_CELLS:
+        if per_seq < CELL_PAD:
             raise ConfigError(
                 f"--{KV_CELLS.name.replace('_', '-')} {total} leaves {per_seq} cells to each of {parallel} sequences; "
-                f"give at least {MIN_CELLS * parallel}"
+                f"llama.cpp gives a sequence at least {CELL_PAD}: give at least {CELL_PAD * parallel}"
             )
-        return min(per_seq, context)
-    if settings.max_model_len:
-        return context
-    return max(MIN_CELLS, min(context, DEFAULT_KV_BYTES // (parallel * max(cell_bytes, 1))))
+        per_seq = min(per_seq, context)
+    elif settings.max_model_len:
+        per_seq = context  # asked for: every sequence holds it, whatever the cache's size
+    else:
+        per_seq = min(context, DEFAULT_KV_BYTES // (parallel * max(cell_bytes, 1)))
+    # llama.cpp rounds a stream up to a multiple of CELL_PAD: round down first, so that
+    # what it allocates stays within the operator's cells or the budget.
+    return max(CELL_PAD, per_seq // CELL_PAD * CELL_PAD) if per_seq < context else per_seq
 
 
 def load_engine(location: ModelLocation, settings: Settings) -> GGUFEngine:
@@ -64,9 +75,19 @@ def load_engine(location: ModelLocation, settings: Settings) -> GGUFEngine:
     llm = LlamaModel(
         location.path, n_ctx=_cells_per_sequence(settings, context, parallel, cell_bytes) * parallel, n_seq_max=parallel, threads=threads, f32_kv=f32
     )
-    shares = parallel == 1 or (llm.flash_attn and llm.shares_exactly())
+    try:
+        shares = parallel == 1 or (llm.flash_attn and tag in VERIFIED_QUANTIZATIONS and llm.shares_exactly())
+    except BaseException:
+        llm.close()
+        raise
     if not shares:
-        why = "f32 attention" if not llm.flash_attn else "llama.cpp's kernels for this file change with the rows a call carries"
+        why = (
+            "f32 attention"
+            if not llm.flash_attn
+            else f"shared batches are verified for {', '.join(sorted(VERIFIED_QUANTIZATIONS))} files, not {tag}"
+            if tag not in VERIFIED_QUANTIZATIONS
+            else "llama.cpp's kernels for this file change with the rows a call carries"
+        )
         if settings.batch_invariant:
             llm.close()
             parallel = 1
@@ -75,7 +96,13 @@ def load_engine(location: ModelLocation, settings: Settings) -> GGUFEngine:
         else:
             log.info("gguf_shared_batches_not_invariant", reason=why, note="--batch-invariant true decodes one sequence at a time")
     if llm.n_cells // parallel < context:
-        log.info("gguf_context_per_sequence", trained=trained, served=llm.n_cells // parallel, parallel=parallel)
+        log.warning(
+            "gguf_context_per_sequence",
+            trained=trained,
+            served=llm.n_cells // parallel,
+            parallel=parallel,
+            note="each sequence's KV stream holds less than the model's context; --max-model-len or --gguf-kv-cells gives more",
+        )
         context = llm.n_cells // parallel
     if settings.served_name:
         served = settings.served_name

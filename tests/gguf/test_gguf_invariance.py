@@ -1,38 +1,47 @@
-"""Batch invariance of the GGUF engine on a real quantized file, SmolLM2-135M's packaged
-Q4_1, under churn: 24 requests (greedy and seeded sampled, budgets of 6 to 40 tokens)
-join a running batch of up to 8 sequences one every other step and leave as they finish,
-so joining prompts share calls with other rows' decode tokens and sequences are reused.
-Every request's tokens must equal its run alone on the same engine.
+"""Batch invariance of the GGUF engine on real quantized files, SmolLM2-135M's packaged
+Q4_1 and the same weights quantized to Q4_0 by llama.cpp (Q8_0 passed as well when
+measured), under churn: 24 requests
+(greedy and seeded sampled, budgets of 6 to 40 tokens, some with prompts of about 300
+tokens) join a running batch of up to 8 sequences one every other step and leave as they
+finish, so joining prompts share calls with other rows' decode tokens and sequences are
+reused. Every request's tokens must equal its run alone on the same engine.
 
 This is the test that catches llama.cpp's numerics depending on the batch: with one KV
-cache shared by all sequences (``kv_unified``) 18 of these 24 requests changed.
-
-A file whose kernels are not invariant is found at load and says so: the same weights
-quantized to Q4_K_M by llama.cpp, where a row's logits change when a second row's logits
-are computed in the same call."""
+cache shared by all sequences (``kv_unified``) 18 of these 24 requests changed; with two
+prompts in one call, or a row of more than 256 cells decoded beside others (llama.cpp's
+CPU flash attention then sums its keys in another order), the long prompts' requests did.
+The same weights in Q4_K_M still change (8 of 24): such files say they are not invariant."""
 
 from __future__ import annotations
 
 import random
+import sysconfig
 
+import numpy as np
 import pytest
 
 from millm_core.api import RowSpec, SamplingParams
+from millm_engines.gguf.llama import Piece
 from millm_engines.gguf.testing import requantized
 from millm_plugins.smollm2.convert import packaged_gguf
 
 from .helpers import load_gguf
 
-PROMPTS = ["The capital of France is", "Once upon a time there was", "def fibonacci(n):", "My favourite colour is",
-           "Water boils at", "The quick brown fox", "In 1492 Columbus sailed", "To make a cake you need",
-           "Hello, my name is", "Dear diary, today"]  # fmt: skip
+SHORT = ["The capital of France is", "Once upon a time there was", "def fibonacci(n):", "My favourite colour is",
+         "Water boils at", "The quick brown fox", "In 1492 Columbus sailed", "To make a cake you need"]  # fmt: skip
+with open(f"{sysconfig.get_paths()['stdlib']}/textwrap.py", encoding="utf-8") as _fh:
+    _SOURCE = _fh.read()
+PROMPTS = [*SHORT, _SOURCE[:1000], _SOURCE[2000:3000]]  # about 300 tokens each
 
 
-@pytest.fixture(scope="module")
-def engine():  # type: ignore[no-untyped-def]
-    model = load_gguf(packaged_gguf())
+@pytest.fixture(scope="module", params=["Q4_1", "Q4_0"])
+def engine(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    path = packaged_gguf() if request.param == "Q4_1" else requantized(packaged_gguf(), request.param)
+    model = load_gguf(path)
+    assert model.info.quantization == request.param
     assert model.engine.parallel == 8 and model.engine.batch_invariant
-    return model.engine
+    yield model.engine
+    model.engine.llm.close()
 
 
 def spec(engine, prompt: int, budget: int, seed: int | None) -> RowSpec:  # type: ignore[no-untyped-def]
@@ -80,16 +89,44 @@ def test_rows_under_churn_keep_their_solo_tokens(engine) -> None:  # type: ignor
     assert changed == [], f"{len(changed)} of {len(requests)} requests changed under load"
 
 
-def test_a_file_whose_kernels_depend_on_the_batch_says_so() -> None:
-    """Q4_K_M: the load-time check finds shared calls change a row's logits, so the engine
-    reports itself not invariant (X-miLLM-Backend: batched;invariant=?0) and, under
-    --batch-invariant, decodes one sequence at a time."""
+def test_a_file_not_verified_under_churn_says_it_is_not_invariant() -> None:
+    """SmolLM2 in Q4_K_M passes the load-time check yet changed 8 of the 24 requests
+    above, so a K-quant file promises nothing: it reports invariant=?0 (seeds are
+    best-effort), and under --batch-invariant decodes one sequence at a time."""
     path = requantized(packaged_gguf(), "Q4_K_M")
     shared = load_gguf(path)
-    assert shared.info.quantization == "Q4_K_M"
-    assert shared.engine.parallel == 8 and not shared.engine.batch_invariant
-    assert not shared.engine.llm.shares_exactly()  # the check answers the same again
-    shared.engine.llm.close()
+    try:
+        assert shared.info.quantization == "Q4_K_M"
+        assert shared.engine.parallel == 8 and shared.engine.batches_requests and not shared.engine.batch_invariant
+    finally:
+        shared.engine.llm.close()
     serial = load_gguf(path, batch_invariant=True)
-    assert serial.engine.parallel == 1 and serial.engine.batch_invariant and not serial.engine.batches_requests
-    serial.engine.llm.close()
+    try:
+        assert serial.engine.parallel == 1 and serial.engine.batch_invariant and not serial.engine.batches_requests
+    finally:
+        serial.engine.llm.close()
+
+
+def test_the_load_time_check_compares_shared_calls_with_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check passes on the real file, and fails when a call holding several
+    sequences gives a row other numbers (a fault injected into the logits llama.cpp
+    returned, as a kernel that depends on the batch would)."""
+    from millm_engines.gguf.llama import LlamaModel
+
+    llm = LlamaModel(packaged_gguf(), n_ctx=8 * 512, n_seq_max=8, threads=None, f32_kv=False)
+    try:
+        assert llm.shares_exactly()
+        real = LlamaModel.decode
+
+        def shared_calls_drift(self: LlamaModel, pieces: list[Piece]) -> list[np.ndarray]:
+            out = real(self, pieces)
+            if len({piece.seq for piece in pieces}) > 1:
+                out = [logits + np.float32(1e-3) for logits in out]
+            return out
+
+        monkeypatch.setattr(LlamaModel, "decode", shared_calls_drift)
+        assert not llm.shares_exactly()
+        monkeypatch.undo()
+        assert llm.shares_exactly()  # and nothing was left behind in the sequences
+    finally:
+        llm.close()
