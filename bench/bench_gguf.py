@@ -12,6 +12,18 @@ peer runs with ``--interrupt_requests False``: by default it cuts concurrent str
 (a 200 with no tokens), which would flatter any comparison; one extra 8-stream run with its
 defaults records how many it cuts.
 
+In the same run, after the servers stop, llama.cpp's C API is driven directly (no millm, no
+HTTP) on the same file and threads: prefill ``--streams`` sequences in one ``llama_decode``
+call, then ``--ceiling-steps`` (48) greedy decode steps, each decoding every sequence in ONE
+call; also 1 sequence. Two settings alternate, ``--repeats`` times (medians):
+  - "default": llama.cpp's own choices (a unified KV cache as llama-server uses, flash
+    attention auto, default model params, so repacked weight layouts): the batched ceiling;
+  - "invariant": millm's (a KV stream per sequence, flash attention on, no repacked
+    layouts; see millm_engines/gguf/llama.py): invariant / default is the cost of invariance.
+Decode tok/s = tokens of the decode steps / their time; "with prefill" adds the prefill
+call (and its first token). millm's 8-stream HTTP aggregate / the 8-sequence decode ceiling
+(issue target >= 0.9) and millm / llama_cpp.server at 8 streams (target >= 3) are printed.
+
 Usage: python bench/bench_gguf.py [--tokens 128] [--repeats 3]
 """
 
@@ -29,6 +41,7 @@ import time
 from typing import Any
 
 import httpx
+import numpy as np
 
 PROMPTS = [
     "Write a detailed story about a lighthouse keeper who finds a map.",
@@ -48,16 +61,21 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def loaded_model(url: str) -> str | None:
+    """The id of the model a server has loaded (millm also lists models it could load, with
+    their "millm" state; a peer lists the model once it is loaded)."""
+    listed = httpx.get(url + "/v1/models", timeout=2)
+    data = listed.json().get("data") if listed.status_code == 200 else None
+    return next((m["id"] for m in data or [] if (m.get("millm") or {}).get("state", "loaded") == "loaded"), None)
+
+
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            listed = httpx.get(url + "/v1/models", timeout=2)
-            data = listed.json().get("data") if listed.status_code == 200 else None
-            # millm lists its model while it loads ("millm": {"state": ...}); a peer once it is loaded
-            if data and all((m.get("millm") or {}).get("state", "loaded") == "loaded" for m in data):
+            if loaded_model(url):
                 return
         except httpx.HTTPError:
             pass
@@ -75,7 +93,7 @@ class Server:
         except BaseException:
             self.stop()
             raise
-        self.model = httpx.get(self.url + "/v1/models").json()["data"][0]["id"]
+        self.model = str(loaded_model(self.url))
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -125,12 +143,92 @@ def concurrent_streams(server: Server, tokens: int, streams: int) -> tuple[float
     return sum(counts) / wall, cut
 
 
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"  # SmolLM2's chat turn, as the servers render it
+
+
+def ceiling_run(model: Any, threads: int, seqs: int, steps: int, invariant: bool) -> tuple[float, float]:
+    """(decode tok/s, tok/s with the prefill) of ``seqs`` greedy sequences in one fresh context."""
+    import llama_cpp as L
+
+    params = L.llama_context_default_params()
+    params.n_ctx = seqs * 256
+    params.n_batch = params.n_ubatch = 512
+    params.n_seq_max = seqs
+    params.n_threads = params.n_threads_batch = threads
+    params.kv_unified = not invariant
+    params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if invariant else L.LLAMA_FLASH_ATTN_TYPE_AUTO
+    ctx = L.llama_init_from_model(model, params)
+    if not ctx:
+        raise RuntimeError("llama.cpp could not create a context")
+    vocab = L.llama_model_get_vocab(model)
+    n_vocab = int(L.llama_vocab_n_tokens(vocab))
+    batch = L.llama_batch_init(512, 0, 1)
+    try:
+        prompts = []
+        for i in range(seqs):
+            data = CHAT.format(PROMPTS[i % len(PROMPTS)]).encode()
+            buf = (L.llama_token * (len(data) + 8))()
+            n = L.llama_tokenize(vocab, data, len(data), buf, len(buf), True, True)
+            prompts.append(list(buf[:n]))
+
+        def run(rows: list[tuple[int, int, int, bool]]) -> list[int]:  # (token, seq, pos, output) -> greedy next tokens
+            batch.n_tokens = len(rows)
+            for j, (token, seq, pos, output) in enumerate(rows):
+                batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = token, pos, 1, int(output)
+                batch.seq_id[j][0] = seq
+            if L.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            return [int(np.argmax(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, j), shape=(n_vocab,))))
+                    for j, row in enumerate(rows) if row[3]]  # fmt: skip
+
+        started = time.perf_counter()
+        nxt = run([(t, s, p, p == len(ids) - 1) for s, ids in enumerate(prompts) for p, t in enumerate(ids)])
+        decoding = time.perf_counter()
+        for step in range(steps):
+            nxt = run([(nxt[s], s, len(prompts[s]) + step, True) for s in range(seqs)])
+        done = time.perf_counter()
+    finally:
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+    return seqs * steps / (done - decoding), seqs * (steps + 1) / (done - started)
+
+
+def ceiling(gguf: str, threads: int, streams: int, steps: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Medians of {setting: {f"decode_{n}", f"prefill_{n}"}} for n = 1 and ``streams`` sequences."""
+    import llama_cpp as L
+
+    import millm_engines.gguf.llama  # noqa: F401  # silences llama.cpp's log
+
+    models = {}
+    for setting in ("default", "invariant"):
+        mparams = L.llama_model_default_params()
+        if setting == "invariant":
+            mparams.use_extra_bufts = False
+        models[setting] = L.llama_model_load_from_file(gguf.encode(), mparams)
+    samples: dict[str, dict[str, list[float]]] = {s: {} for s in models}
+    try:
+        for setting, model in models.items():  # warm-up
+            ceiling_run(model, threads, streams, 4, setting == "invariant")
+        for repeat in range(repeats):
+            for setting in ("default", "invariant") if repeat % 2 == 0 else ("invariant", "default"):
+                for seqs in (1, streams):
+                    decode, with_prefill = ceiling_run(models[setting], threads, seqs, steps, setting == "invariant")
+                    samples[setting].setdefault(f"decode_{seqs}", []).append(decode)
+                    samples[setting].setdefault(f"prefill_{seqs}", []).append(with_prefill)
+            print(f"ceiling repeat {repeat}: " + ", ".join(f"{s} {n}x {v[-1]:.1f}" for s in samples for n, v in samples[s].items() if n.startswith("decode")), flush=True)
+    finally:
+        for model in models.values():
+            L.llama_model_free(model)
+    return {s: {k: statistics.median(v) for k, v in r.items()} for s, r in samples.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ceiling-steps", type=int, default=48)
     args = parser.parse_args()
     from millm_plugins.smollm2.convert import packaged_gguf
 
@@ -178,10 +276,31 @@ def main() -> None:
         "single_ratio": med["millm"]["single"] / med["llama_cpp.server"]["single"],
         "aggregate_ratio": med["millm"]["aggregate"] / med["llama_cpp.server"]["aggregate"],
     }
+    ceil = ceiling(gguf, args.threads, args.streams, args.ceiling_steps, args.repeats)
+    n = args.streams
+    summary["ceiling"] = {
+        "steps": args.ceiling_steps,
+        "tok_per_s": ceil,
+        "invariance_cost": {f"decode_{k}": ceil["invariant"][f"decode_{k}"] / ceil["default"][f"decode_{k}"] for k in (1, n)},
+        "millm_over_ceiling": med["millm"]["aggregate"] / ceil["default"][f"decode_{n}"],
+        "millm_over_ceiling_with_prefill": med["millm"]["aggregate"] / ceil["default"][f"prefill_{n}"],
+        "millm_over_invariant_ceiling": med["millm"]["aggregate"] / ceil["invariant"][f"decode_{n}"],
+    }
     print(f"\n1 stream: millm {med['millm']['single']:.1f} vs llama_cpp.server {med['llama_cpp.server']['single']:.1f} tok/s -> {summary['single_ratio']:.2f}x")
     print(f"{args.streams} streams: millm {med['millm']['aggregate']:.1f} vs llama_cpp.server {med['llama_cpp.server']['aggregate']:.1f} tok/s -> {summary['aggregate_ratio']:.2f}x")
     print(f"streams cut short (median): millm {med['millm']['cut']:.0f}, llama_cpp.server {med['llama_cpp.server']['cut']:.0f} "
           f"(with its default settings: {default_cut}/{args.streams})")
+    c = summary["ceiling"]
+    print(f"\nllama.cpp C API, {args.ceiling_steps} decode steps, one llama_decode per step (tok/s, decode / with prefill):")
+    print(f"{'':12s}{'1 sequence':>22s}{f'{n} sequences':>22s}")
+    for setting in ("default", "invariant"):
+        t = ceil[setting]
+        print(f"{setting:12s}{t['decode_1']:12.1f} / {t['prefill_1']:6.1f}{t[f'decode_{n}']:12.1f} / {t[f'prefill_{n}']:6.1f}")
+    print(f"cost of invariance (invariant / default, decode): 1 sequence {c['invariance_cost']['decode_1']:.2f}, "
+          f"{n} sequences {c['invariance_cost'][f'decode_{n}']:.2f}")  # fmt: skip
+    print(f"millm {n} streams (HTTP) / {n}-sequence ceiling: {c['millm_over_ceiling']:.2f} (target >= 0.9; "
+          f"{c['millm_over_ceiling_with_prefill']:.2f} against the ceiling with its prefill, {c['millm_over_invariant_ceiling']:.2f} against the invariant one)")  # fmt: skip
+    print(f"millm {n} streams / llama_cpp.server: {summary['aggregate_ratio']:.2f}x (target >= 3)")
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
     with open(os.path.join(os.path.dirname(__file__), "results", "gguf.json"), "w") as fh:
         json.dump(summary, fh, indent=2)

@@ -17,7 +17,8 @@ Two rounds alternate the order of the servers; medians are compared.
 The peer runs offline (``HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1``) with ``--dtype
 bfloat16 --device cpu`` and a paged cache sized for this workload (``--cb-block-size 32
 --cb-num-blocks 128 --cb-max-batch-tokens 512``): its defaults size the cache and the
-attention mask from free memory (~6 GiB here) and decode about 4x slower. Its
+attention mask from free memory (~6 GiB here) and decode about 4x slower. ``--threads N``
+gives both servers N CPU threads (millm ``--threads``, ``OMP_NUM_THREADS`` for the peer). Its
 /v1/chat/completions takes the model id it lists (the directory path). If it cannot
 start, it is reported unavailable and only millm is measured.
 
@@ -50,15 +51,16 @@ PEER = "transformers serve"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def start(name: str, model_dir: str) -> Server:
+def start(name: str, model_dir: str, threads: int | None) -> Server:
     port = free_port()
+    env = {**OFFLINE, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     if name == MILLM:
         args = [sys.executable, "-m", "millm_core.cli", "serve", "--dtype", "bfloat16", "--port", str(port), "--log-level", "warning", "--db", ":memory:"]
-        return Server(name, args, port, env=OFFLINE)
+        return Server(name, args + (["--threads", str(threads)] if threads else []), port, env=env)
     exe = shutil.which("transformers", path=os.path.dirname(sys.executable)) or "transformers"
     args = [exe, "serve", "--continuous-batching", "--dtype", "bfloat16", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
             "--cb-block-size", "32", "--cb-num-blocks", "128", "--cb-max-batch-tokens", "512", model_dir]  # fmt: skip
-    return Server(name, args, port, env=OFFLINE)
+    return Server(name, args, port, env=env)
 
 
 def stream(server: Server, prompt: str, tokens: int) -> tuple[str, int]:
@@ -106,7 +108,7 @@ def at_once(server: Server, prompts: list[str], tokens: int) -> tuple[list[str],
 
 def measure(name: str, model_dir: str, args: argparse.Namespace, invariance: bool) -> dict[str, Any]:
     began = time.perf_counter()
-    server = start(name, model_dir)
+    server = start(name, model_dir, args.threads)
     loaded = time.perf_counter() - began
     try:
         stream(server, PROMPTS[0], 4)  # warm-up
@@ -137,6 +139,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for both (millm --threads, OMP_NUM_THREADS); default: torch's own")
     args = parser.parse_args()
     model_dir = smollm2_dir()
     rows: dict[str, list[dict[str, Any]]] = {MILLM: [], PEER: []}
@@ -160,6 +163,7 @@ def main() -> None:
         "streams": args.streams,
         "stream_tokens": args.tokens // 2,
         "rounds": args.rounds,
+        "threads": args.threads,
         "peer": "transformers serve --continuous-batching --dtype bfloat16 --device cpu --cb-block-size 32 --cb-num-blocks 128 --cb-max-batch-tokens 512",
         "peer_available": peer_error is None and bool(rows[PEER]),
         "peer_error": peer_error,
