@@ -1,4 +1,4 @@
-"""Fuzzed bodies against a running server: 2,000 per endpoint, valid, near-valid and
+"""Fuzzed bodies against a running server: 1,200 per endpoint, valid, near-valid and
 hostile. Whatever is sent, the server answers without a 5xx; every refusal is OpenAI's
 error shape; every success that carried an undeclared top-level field names it in
 X-miLLM-Ignored-Fields."""
@@ -22,7 +22,7 @@ from millm_core.sfv import percent_encode_nonprintable
 # Each endpoint's request type as the server builds it, with every installed plugin's fields.
 ENDPOINT_CONTRACTS = assemble(build_host(load_settings(environ={}))).request_types
 
-EXAMPLES = 2000
+EXAMPLES = 1200
 PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
 
 scalars = (
