@@ -1,12 +1,14 @@
 """The transformers engine: prefill then cached decode over a batch of rows.
 
-Rows are left-padded so that every row's next token sits in the last column; a batch
-without padding passes no attention mask at all (the causal fast path). Finished rows are
-dropped from the KV cache between steps. On the lean decode step each row is prefilled
-alone, in chunks, resumed from the prefix cache where it can (see :mod:`.prefix`). Rows of
-other requests join a running batch on both paths: on the generic HF forward when the
-model's cache layers are plain key/value tensors (see :mod:`.generic`).
-"""
+Each row is prefilled on its own; the rows' KV caches are then right-aligned, so that
+every row's next token sits in the last column, and a batch without padding passes no
+attention mask at all (the causal fast path). Finished rows are dropped from the KV cache
+between steps. On the lean decode step a row's prefill runs in chunks, resumed from the
+prefix cache where it can (see :mod:`.prefix`). Rows attend over their own cache columns
+only: on the lean step by construction, on the generic HF forward through the attention
+function of :mod:`.rows`. Rows of other requests join a running batch on both paths: on
+the generic HF forward when the model's cache layers are plain key/value tensors (see
+:mod:`.generic`)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from .memory import available_bytes, shortfall
 from .plugin import CAPABILITIES  # declared once, before any load
 from .prefix import PrefixCache, prefill_chunks
 from .rewind import PromptEnd, refeed_prompt_ends, refusal, rewind, select
+from .rows import install as install_rows_attention
 from .sampler import apply_biases, apply_masks, sample
 from .taps import Captured, TapSet, block_hook, readouts
 
@@ -122,6 +125,9 @@ class TransformersEngine:
         cannot = None if fast is not None else refusal(model.config)
         # Whether rows of other requests can join a running batch (None: they can).
         self.join_refusal: str | None = None if fast is not None else join_refusal(model)
+        # On the generic forward, why a row cannot attend over its own columns alone (None:
+        # it does, see .rows); the lean decode step always does.
+        self.rows_refusal: str | None = None if fast is not None else install_rows_attention(model)
         self.refusals: dict[Capability, str] = {}
         if cannot:
             self.capabilities = CAPABILITIES - {Capability.REWIND}
@@ -157,9 +163,7 @@ class TransformersEngine:
         """Why rows of these lengths would not fit in the memory free now beside the rows
         admitted before them (None: they fit)."""
         dtype = next(self.model.parameters()).dtype
-        return shortfall(
-            self.model.config, dtype, self.device, prompt_lengths, max_new_tokens, probe=self.memory_probe, admitted=admitted
-        )
+        return shortfall(self.model.config, dtype, self.device, prompt_lengths, max_new_tokens, probe=self.memory_probe, admitted=admitted)
 
     # ------------------------------------------------------------------ batches
 
@@ -266,11 +270,11 @@ class TransformersEngine:
 
     @property
     def batch_invariant(self) -> bool:
-        """The lean decode step prefills each row alone and attends over each row's own
-        cache columns, in every dtype; the generic HF forward pads a request's rows
-        together, and a joined request's rows with the running ones (a masked attention
-        over the batch's longest row), which only float32 leaves the tokens alone for."""
-        return self.fast is not None or next(self.model.parameters()).dtype == torch.float32
+        """Both paths prefill each row alone. The lean decode step attends over each row's
+        own cache columns, and so does the generic HF forward where its attention is
+        transformers' SDPA (see :mod:`.rows`); a model attending otherwise masks a row's
+        foreign columns, which only float32 leaves the tokens alone for."""
+        return self.fast is not None or self.rows_refusal is None or next(self.model.parameters()).dtype == torch.float32
 
     @property
     def batches_requests(self) -> bool:
@@ -352,21 +356,22 @@ class TransformersEngine:
             batch.deltas = {layer: torch.cat([rows_of(batch.deltas, layer, ra), rows_of(sub.deltas, layer, rb)]) for layer in layers}
 
     def _prefill(self, batch: HFBatch) -> torch.Tensor:
-        """The prompts' forward pass. On the lean decode step each row is prefilled on its
-        own and the caches merged: a row's prefill then never depends on the other rows
-        (no padding, the same matrix shapes as alone), which low-precision kernels would
-        otherwise show in its tokens."""
-        if self.fast is None:
-            return self._prefill_padded(batch)
+        """The prompts' forward pass. Each row is prefilled on its own and the caches
+        merged: a row's prefill then never depends on the other rows (no padding, the same
+        matrix shapes as alone), which low-precision kernels would otherwise show in its
+        tokens. On the lean decode step a row's prefill runs in chunks and may resume from
+        the prefix cache; on the generic HF forward it is one forward pass."""
+        one = self._prefill_row if self.fast is not None else self._prefill_forward
         if batch.size == 1:
-            return self._prefill_row(batch)
+            return one(batch)
         parts = [self._row_batch(batch, r) for r in range(batch.size)]
-        logits = torch.cat([self._prefill_row(part) for part in parts])
+        logits = torch.cat([one(part) for part in parts])
         batch.resumed = [part.resumed[0] for part in parts]
         merged = parts[0]
         for part in parts[1:]:
             self._merge(merged, part)
-        batch.kv, batch.mask, batch.next_pos, batch.draw_pos = merged.kv, merged.mask, merged.next_pos, merged.draw_pos
+        batch.kv, batch.cache, batch.mask = merged.kv, merged.cache, merged.mask
+        batch.next_pos, batch.draw_pos = merged.next_pos, merged.draw_pos
         reads = [part.reads[0] if part.reads is not None else None for part in parts]
         batch.reads = reads if any(r is not None for r in reads) else None
         return logits
@@ -411,7 +416,9 @@ class TransformersEngine:
             part.reads = None
         return logits
 
-    def _prefill_padded(self, batch: HFBatch) -> torch.Tensor:
+    def _prefill_forward(self, batch: HFBatch) -> torch.Tensor:
+        """The prompts' prefill as one generic HF forward pass, rows left-padded to the
+        longest (the engine passes one row at a time, see :meth:`_prefill`)."""
         lengths = [len(p) for p in batch.prompts]
         width = max(lengths)
         ids = torch.full((len(lengths), width), self._pad_id, dtype=torch.long)
@@ -435,9 +442,6 @@ class TransformersEngine:
             )
         batch.mask = mask if padded else None
         batch.next_pos = positions[:, -1] + 1
-        if self.fast is not None:
-            batch.kv = KVCache.from_hf(batch.cache)
-            batch.cache = None
         batch.draw_pos = lengths
         batch.reads = readouts(batch.taps, captured, [0] * len(lengths), lengths) if batch.taps is not None else None
         return out.logits[:, -1, :]
@@ -454,7 +458,9 @@ class TransformersEngine:
             # Padded rows attend over their own columns only: attention over a longer,
             # masked row reduces in another order, which bf16 shows in the tokens.
             starts = mask.int().argmax(dim=1).tolist() if mask is not None else None
-            logits = self.fast.step(batch.last_tokens, batch.next_pos, batch.kv, None if starts else mask, batch.deltas, reads, captured, starts)
+            logits = self.fast.step(
+                batch.last_tokens, batch.next_pos, batch.kv, None if starts else mask, batch.deltas, reads, captured, starts
+            )
             refeed_prompt_ends(batch, logits)
             batch.next_pos = batch.next_pos + 1
             self._decode_reads(batch, captured)

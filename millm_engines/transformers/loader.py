@@ -19,7 +19,7 @@ from millm_core.api import ConfigError, ModelInfo, ModelLocation, Settings, oper
 from .engine import TransformersEngine
 from .fastpath import LlamaDecoder, unsupported_reason
 from .prefix import PrefixCache
-from .preflight import check_quantization, chosen_dtype, lean_step
+from .preflight import check_quantization, chosen_dtype, invariant_in_any_dtype
 from .settings import FAST_DECODE, PREFIX_CACHE_MB
 
 log = structlog.get_logger("millm.engine.transformers")
@@ -33,7 +33,7 @@ def is_checkpoint_dir(location: ModelLocation) -> bool:
 
 def _choose_dtype(settings: Settings, config: object) -> torch.dtype:
     declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    return _DTYPES[chosen_dtype(settings.dtype, declared, lean_step(config, settings))]
+    return _DTYPES[chosen_dtype(settings.dtype, declared, invariant_in_any_dtype(config, settings))]
 
 
 def _eos_ids(tokenizer: object, path: str) -> frozenset[int]:
@@ -60,7 +60,9 @@ def stated_sampling(path: str) -> dict[str, float]:
         return {}
     if not isinstance(stated, dict) or stated.get("do_sample") is not True:  # HF generates greedily unless told to sample
         return {}
-    return {k: float(v) for k in ("temperature", "top_p", "top_k") if isinstance(v := stated.get(k), int | float) and not isinstance(v, bool)}
+    return {
+        k: float(v) for k in ("temperature", "top_p", "top_k") if isinstance(v := stated.get(k), int | float) and not isinstance(v, bool)
+    }
 
 
 def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngine:
@@ -117,12 +119,14 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
         fast_decode_reason=reason,
         batches_requests=engine.batches_requests,
         batching_refusal=engine.join_refusal,
+        batch_invariant=engine.batch_invariant,
+        rows_attention_refusal=engine.rows_refusal,
         prefix_cache_mb=PREFIX_CACHE_MB.get(settings) if prefix is not None else 0,
     )
     engine.generation_defaults = stated_sampling(path)
     if settings.batch_invariant and not engine.batch_invariant:
         raise ConfigError(
             f"--batch-invariant: '{info.served_name}' in {info.dtype} has no batch-invariant path here (the lean decode step "
-            f"is not available: {reason}); serve it with --dtype float32"
+            f"is not available: {reason}; and {engine.rows_refusal}); serve it with --dtype float32"
         )
     return engine

@@ -8,6 +8,9 @@ another order, and its tokens changed with its neighbours."""
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -78,11 +81,21 @@ def test_identical_rows_joining_at_different_steps_get_identical_tokens(engine) 
     assert all(tokens == solo for tokens in got.values())
 
 
-def test_batch_invariant_refuses_a_model_with_no_invariant_path(tiny_dir: str) -> None:
+def test_batch_invariant_refuses_a_model_with_no_invariant_path(tiny_dir: str, tmp_path: Path) -> None:
+    """A checkpoint whose config asks for eager attention has no row-wise attention on the
+    generic forward: in bf16 without the lean step it is refused; in float32 it loads."""
     from millm_core.errors import ConfigError
 
+    eager = tmp_path / "eager"
+    eager.mkdir()
+    for name in os.listdir(tiny_dir):
+        if name != "config.json":
+            os.symlink(os.path.join(tiny_dir, name), eager / name)
+    config = json.loads(Path(tiny_dir, "config.json").read_text())
+    (eager / "config.json").write_text(json.dumps({**config, "attn_implementation": "eager"}))
     no_fast = load_settings({"dtype": "bfloat16", "fast_decode": False, "batch_invariant": True}, environ={}, plugin_settings=[FAST_DECODE])
+    assert load_engine(ModelLocation(path=tiny_dir, served_name="t"), no_fast).batch_invariant  # SDPA: rows attention
     with pytest.raises(ConfigError, match="no batch-invariant path"):
-        load_engine(ModelLocation(path=tiny_dir, served_name="t"), no_fast)
+        load_engine(ModelLocation(path=str(eager), served_name="t"), no_fast)
     fp32 = load_settings({"dtype": "float32", "fast_decode": False, "batch_invariant": True}, environ={}, plugin_settings=[FAST_DECODE])
-    assert load_engine(ModelLocation(path=tiny_dir, served_name="t"), fp32).batch_invariant
+    assert load_engine(ModelLocation(path=str(eager), served_name="t"), fp32).batch_invariant

@@ -1,6 +1,7 @@
 """``--dtype auto``: a checkpoint's declared dtype where a row's tokens stay independent of
-its batch in it (the lean decode step, in every dtype), float32 on the generic HF forward
-(which pads rows together: only float32 leaves the tokens alone); the load plan estimates
+its batch in it (the lean decode step, and the generic HF forward with row-wise SDPA
+attention, in every dtype), float32 for a model that cannot attend row by row (here: one
+whose config soft-caps attention logits, which SDPA cannot do); the load plan estimates
 the weights in the dtype the load picks."""
 
 from __future__ import annotations
@@ -19,24 +20,33 @@ from millm_engines.transformers.settings import FAST_DECODE
 from millm_engines.transformers.testing import tiny_model_dir
 
 
-def _declaring(source: str, folder: Path, dtype: str) -> str:
-    """``source``'s files under a config that declares ``dtype``."""
+def _declaring(source: str, folder: Path, dtype: str, **extra: object) -> str:
+    """``source``'s files under a config that declares ``dtype`` (and ``extra``)."""
     folder.mkdir()
     for name in os.listdir(source):
         if name != "config.json":
             os.symlink(os.path.join(source, name), folder / name)
     config = json.loads(Path(source, "config.json").read_text())
     config["dtype"] = dtype
+    config.update(extra)
     (folder / "config.json").write_text(json.dumps(config))
     return str(folder)
 
 
 @pytest.mark.parametrize(
-    ("architecture", "fast", "picked"),
-    [("llama", True, "bfloat16"), ("llama", False, "float32"), ("qwen2", True, "float32")],
+    ("architecture", "fast", "softcap", "picked"),
+    [
+        ("llama", True, False, "bfloat16"),
+        ("llama", False, False, "bfloat16"),
+        ("qwen2", True, False, "bfloat16"),
+        ("qwen2", True, True, "float32"),
+    ],
 )
-def test_auto_takes_the_declared_dtype_only_where_it_is_batch_invariant(tmp_path: Path, architecture: str, fast: bool, picked: str) -> None:
-    path = _declaring(tiny_model_dir(architecture=architecture), tmp_path / "ckpt", "bfloat16")
+def test_auto_takes_the_declared_dtype_only_where_it_is_batch_invariant(
+    tmp_path: Path, architecture: str, fast: bool, softcap: bool, picked: str
+) -> None:
+    extra = {"attn_logit_softcapping": 50.0} if softcap else {}
+    path = _declaring(tiny_model_dir(architecture=architecture), tmp_path / "ckpt", "bfloat16", **extra)
     settings = load_settings({"fast_decode": fast}, environ={}, plugin_settings=[FAST_DECODE])
     engine = load_engine(ModelLocation(path=path, served_name="m"), settings)
     assert engine.info.dtype == picked
@@ -50,4 +60,4 @@ def test_an_explicit_dtype_is_served_as_asked(tmp_path: Path) -> None:
     path = _declaring(tiny_model_dir(architecture="qwen2"), tmp_path / "ckpt", "float32")
     settings = load_settings({"dtype": "bfloat16"}, environ={}, plugin_settings=[FAST_DECODE])
     engine = load_engine(ModelLocation(path=path, served_name="m"), settings)
-    assert engine.info.dtype == "bfloat16" and not engine.batch_invariant  # and says so
+    assert engine.info.dtype == "bfloat16" and engine.fast is None and engine.batch_invariant  # rows attend over their own columns

@@ -2,7 +2,8 @@
 step — here a tiny Qwen2, biased q/k/v projections, plain ``DynamicCache`` layers — lets
 requests join a running batch, and a greedy row's tokens are its solo tokens (float32)
 whatever joins or leaves beside it. A model whose cache cannot be merged (a sliding-window
-layer) runs one request at a time and says so. References: HF ``generate`` for solo greedy
+layer) runs one request at a time and says so. In bfloat16 every sampled logit is compared
+bit for bit with the row's solo run. References: HF ``generate`` for solo greedy
 text, single-row runs for rows in a batch, the scheduler's step counter for sharing."""
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ import httpx
 import pytest
 import torch
 
+import millm_engines.transformers.engine as engine_module
 from millm_core.api import Joinable, RowSpec, SamplingParams, ServedModel, Tap
 from millm_core.config import load_settings
 from millm_core.engine import ModelLocation, backend_of
 from millm_engines.transformers.generic import join_refusal, layout_refusal
 from millm_engines.transformers.loader import load_engine
+from millm_engines.transformers.rows import install
+from millm_engines.transformers.sampler import sample
 from millm_engines.transformers.testing import tiny_model_dir
 
 from ..http.helpers import scheduler_stats
@@ -68,11 +72,12 @@ def drive(
     joins: Mapping[int, Sequence[RowSpec]] | None = None,
     rewinds: Mapping[int, Sequence[tuple[int, int]]] | None = None,
     budget: Mapping[int, int] | None = None,
+    orders: list[list[int]] | None = None,
 ) -> dict[int, list[int]]:
     """Step ``rows`` (ids 0..) as the scheduler does: ``joins[k]`` (one request's rows, the
     next ids) join before step k; a row is retired (``retain``) once it has drawn
     ``budget.get(id, steps)`` tokens; after step k, ``rewinds[k]`` takes back ``(id, n)``.
-    Returns each row's tokens."""
+    Returns each row's tokens; ``orders`` gets each step's row ids, in batch order."""
     batch = engine.open_batch(rows)
     live = list(range(len(rows)))
     out: dict[int, list[int]] = {i: [] for i in live}
@@ -86,6 +91,8 @@ def drive(
                 for _ in for_step:
                     live.append(len(out))
                     out[len(out)] = []
+            if orders is not None:
+                orders.append(list(live))
             for i, token in zip(live, engine.step(batch, [None] * len(live)), strict=True):
                 out[i].append(token)
             keep = [p for p, i in enumerate(live) if len(out[i]) < (budget or {}).get(i, steps)]
@@ -139,7 +146,9 @@ def test_the_decision_refuses_every_layout_it_cannot_merge() -> None:
     assert "LinearAttentionLayer" in str(layout_refusal(MambaConfig(num_hidden_layers=2)))  # recurrent/conv state
     assert "encoder-decoder" in str(layout_refusal(T5Config()))
     # A recurrent model whose config looks plain: the load-time forward finds no key/value columns.
-    rwkv = AutoModelForCausalLM.from_config(RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64))
+    rwkv = AutoModelForCausalLM.from_config(
+        RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64)
+    )
     assert layout_refusal(rwkv.config) is None and join_refusal(rwkv) is not None
 
 
@@ -197,15 +206,80 @@ def test_rewinds_of_joined_and_running_rows_stay_exact(qwen2: Any) -> None:
     assert got == {0: solo(qwen2, a), 1: solo(qwen2, b)}
 
 
-def test_bfloat16_joins_but_does_not_claim_invariance(qwen2_dir: str, make_server: Any) -> None:
-    engine = _load(qwen2_dir, "tiny-qwen2-bf16", "bfloat16")
+@pytest.fixture(scope="session")
+def qwen2_bf16(qwen2_dir: str) -> Any:
+    return _load(qwen2_dir, "tiny-qwen2-bf16", "bfloat16")
+
+
+def sampled_logits(engine: Any, monkeypatch: pytest.MonkeyPatch, rows: Sequence[RowSpec], **how: Any) -> dict[int, list[torch.Tensor]]:
+    """:func:`drive` ``rows``, recording per row id the logits each of its draws was
+    sampled from (the engine's own sampling call, observed on the way through)."""
+    seen: list[torch.Tensor] = []
+
+    def observed(logits: torch.Tensor, *args: Any) -> list[int]:
+        seen.append(logits.detach().clone())
+        return sample(logits, *args)
+
+    monkeypatch.setattr(engine_module, "sample", observed)
+    orders: list[list[int]] = []
+    tokens = drive(engine, rows, orders=orders, **how)
+    monkeypatch.undo()
+    out: dict[int, list[torch.Tensor]] = {i: [] for i in tokens}
+    for logits, order in zip(seen, orders, strict=True):
+        for position, i in enumerate(order):
+            out[i].append(logits[position])
+    # A rewound row's taken-back draws are gone from its tokens: keep the draws it kept.
+    return {i: [logits for logits in out[i]][-len(tokens[i]) :] if tokens[i] else [] for i in out}
+
+
+def test_bfloat16_rows_keep_their_solo_logits_bit_for_bit(qwen2_bf16: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In bfloat16, rows of different lengths — one request's pair, rows joining a running
+    batch, retirements — are sampled from exactly the logits they get alone: every row
+    attends over its own cache columns (millm_engines.transformers.rows), and is prefilled
+    on its own."""
+    engine = qwen2_bf16
+    assert engine.fast is None and engine.rows_refusal is None and engine.batch_invariant
+    assert backend_of(engine) == "batched"
+    rows = [spec(engine, t) for t in TEXTS]
+    pair = [spec(engine, "The weather today"), spec(engine, "1, 2, 3, 4, 5, 6, 7, 8,", SEEDED)]  # one request, two lengths
+    budget = {0: 5, 2: 9, 4: 3, 6: 12}
+    got = sampled_logits(engine, monkeypatch, rows[:2], joins={2: [rows[2]], 3: pair, 6: [rows[3]], 7: [rows[4]]}, budget=budget)
+    order = [*rows[:2], rows[2], *pair, rows[3], rows[4]]
+    for i, row in enumerate(order):
+        alone = sampled_logits(engine, monkeypatch, [row], steps=budget.get(i, STEPS))[0]
+        assert len(got[i]) == len(alone) and all(torch.equal(a, b) for a, b in zip(got[i], alone, strict=True)), f"row {i}"
+
+
+def test_without_rows_attention_a_padded_bfloat16_row_drifts(qwen2_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why the attention function exists: with transformers' own SDPA over the padded,
+    masked cache, a short row beside a longer one is sampled from other logits than alone
+    (so the test above can fail)."""
+    engine = _load(qwen2_dir, "tiny-qwen2-bf16-sdpa", "bfloat16")
+    engine.model.set_attn_implementation("sdpa")
+    short, long = spec(engine, TEXTS[3]), spec(engine, TEXTS[0])  # 6 and 26 tokens: 0.1 apart within 12 steps
+    got = sampled_logits(engine, monkeypatch, [short, long], steps=12)
+    alone = sampled_logits(engine, monkeypatch, [short], steps=12)[0]
+    assert not all(torch.equal(a, b) for a, b in zip(got[0], alone, strict=True))
+
+
+def test_a_model_not_attending_with_sdpa_keeps_its_attention_and_says_so(qwen2_dir: str, make_server: Any) -> None:
+    """Eager attention (soft-capping, sinks) is not switched; such a model in bfloat16 joins
+    batches but reports them as not invariant."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(qwen2_dir, dtype=torch.bfloat16, attn_implementation="eager")
+    reason = install(model)
+    assert reason is not None and "eager" in reason and model.config._attn_implementation == "eager"
+    engine = _load(qwen2_dir, "tiny-qwen2-bf16-eager", "bfloat16")
+    engine.model.set_attn_implementation("eager")
+    engine.rows_refusal = install(engine.model)
     assert engine.batches_requests and not engine.batch_invariant
     assert backend_of(engine) == "batched;invariant=?0"
     got = drive(engine, [spec(engine, TEXTS[0])], steps=6, joins={2: [spec(engine, TEXTS[1])]})
     assert [len(t) for t in got.values()] == [6, 6]
     with make_server(models=[ServedModel(info=engine.info, engine=engine)]) as srv:  # its only model batches, not invariantly
         report = httpx.get(srv.base_url + "/api/health/inference").json()
-    assert report["models"] == {"tiny-qwen2-bf16": "batched;invariant=?0"} and report["backend"] == "batched"
+    assert report["models"] == {"tiny-qwen2-bf16-eager": "batched;invariant=?0"} and report["backend"] == "batched"
 
 
 # ------------------------------------------------------------------ over HTTP

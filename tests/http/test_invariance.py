@@ -1,7 +1,7 @@
 """Same answer under load, over HTTP: a greedy request's text alone equals its text when 7
 others share its batch — identical or different requests, arriving a few steps apart so
 that rows join a running batch — on the tiny model in float32 and in bfloat16 on the
-transformers engine, and as a Q8_0 GGUF file on llama.cpp (the measurement in issue #15,
+transformers engine (the lean decode step, and a tiny Qwen2 on the generic HF forward), and as a Q8_0 GGUF file on llama.cpp (the measurement in issue #15,
 as a test). Sharing is shown by the scheduler's step count. The tiny model's greedy
 choices have wide margins, so these are the contract's smoke test; the churn test on
 SmolLM2's real Q4_1 file (tests/gguf/test_gguf_invariance.py) is the one that catches a
@@ -21,6 +21,7 @@ from millm_core.config import load_settings
 from millm_core.engine import ModelLocation
 from millm_core.registry import ServedModel
 from millm_engines.transformers.loader import load_engine
+from millm_engines.transformers.testing import tiny_model_dir
 
 from .helpers import scheduler_stats
 
@@ -29,13 +30,18 @@ PROMPTS = ["Tell me about the sea.", "hi", "What is 2 + 2? Explain your reasonin
 TOKENS = 24
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16", "gguf-q8_0"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "bfloat16-generic", "gguf-q8_0"])
 def dtype_server(request: pytest.FixtureRequest, tiny_dir: str, gguf_q8_path: str, make_server: Any) -> Iterator[Any]:
     if request.param == "gguf-q8_0":
         from tests.gguf.helpers import load_gguf
 
         model = load_gguf(gguf_q8_path, served="tiny")
         assert model.engine.batches_requests and model.engine.batch_invariant
+    elif request.param == "bfloat16-generic":  # a Qwen2: the generic HF forward, rows attending over their own columns
+        settings = load_settings({"dtype": "bfloat16"}, environ={})
+        engine = load_engine(ModelLocation(path=tiny_model_dir(architecture="qwen2"), served_name="tiny"), settings)
+        assert engine.fast is None and engine.batches_requests and engine.batch_invariant
+        model = ServedModel(info=engine.info, engine=engine)
     else:
         settings = load_settings({"dtype": request.param}, environ={})
         engine = load_engine(ModelLocation(path=tiny_dir, served_name="tiny"), settings)
