@@ -9,9 +9,10 @@ concurrent streams together, which is where a batch API beats a serial server. A
 tokens do not depend on what shares its calls where :attr:`GGUFEngine.batch_invariant`
 holds (see :mod:`.llama`).
 
-With one sequence at a time (``--gguf-parallel 1``, ``--batch-invariant``) a prompt runs
-in calls that end at the multiples of ``prefix.CHUNK``, and its beginning can be restored
-from an earlier prompt's saved state (prefix reuse, see :mod:`.prefix`).
+A prompt runs in calls that end at the multiples of ``prefix.CHUNK``, and where the
+engine is batch-invariant (one sequence at a time, or shared batches that passed the
+load-time check) its beginning can be restored from an earlier prompt's saved state, into
+whichever sequence the row has (prefix reuse, see :mod:`.prefix`).
 """
 
 from __future__ import annotations
@@ -94,10 +95,10 @@ class GGUFEngine:
         self.refusals = dict(refusals)  # why a capability is missing, for the error message
         self.parallel = parallel
         self._shares_exactly = shares_exactly  # LlamaModel.shares_exactly, checked at load
-        # One sequence at a time: prompts run in calls ending at the multiples of CHUNK,
-        # which makes a prompt's beginning reusable exactly (see .prefix); only then.
-        self.chunked = parallel == 1
-        self.prefix = prefix if self.chunked else None
+        # Every prompt runs in calls ending at the multiples of CHUNK, resumed or not, which
+        # makes its whole chunks reusable exactly (see .prefix) where a row's numbers do not
+        # depend on the rows beside it; elsewhere nothing is kept.
+        self.prefix = prefix if self.batch_invariant else None
         self._free_seqs = list(range(parallel))
         # Each sequence's stream holds this many cells: a row's prompt and budget must fit.
         self.cells_per_seq = llm.n_cells // parallel
@@ -237,69 +238,99 @@ class GGUFEngine:
 
     def _resume(self, row: Row) -> None:
         """Before a row's prefill: restore the longest whole-chunk beginning of its prompt
-        the prefix cache holds."""
+        the prefix cache holds (into the row's own sequence, whichever sequence saved it)."""
         assert self.prefix is not None
         found = self.prefix.lookup(row.tokens[: row.prompt_len])
+        row.resumed = 0
         if found is not None and self.llm.restore(row.seq, found[1], found[0]):
             row.n_past = row.resumed = found[0]
 
     def _save(self, rows: Sequence[Row], call: Sequence[Piece]) -> None:
-        """After a call that ended at a prompt's last whole chunk: keep the sequence's state."""
+        """After a call: keep the state of a row whose prompt's last whole chunk it ended
+        (only a prompt's own pieces end a chunk: a row's single token never does)."""
         assert self.prefix is not None
-        last = call[-1]
-        row = next(r for r in rows if r.seq == last.seq)
-        whole = row.prompt_len // CHUNK * CHUNK
-        if whole and last.pos == whole - 1 and whole > row.resumed and not self.prefix.holds(row.tokens[:whole]):
-            self.prefix.store(row.tokens[:whole], self.llm.save(row.seq))
+        ends = {piece.seq: piece.pos for piece in call}
+        for row in rows:
+            whole = row.prompt_len // CHUNK * CHUNK
+            if whole and ends.get(row.seq) == whole - 1 and whole > row.resumed and not self.prefix.holds(row.tokens[:whole]):
+                self.prefix.store(row.tokens[:whole], self.llm.save(row.seq))
 
-    def _calls(self, pieces: Sequence[Piece]) -> list[list[Piece]]:
-        """The decode calls carrying ``pieces`` (grouped by sequence, in row order), cut so
-        that every row's numbers are those it gets alone (see :mod:`.llama`):
+    @staticmethod
+    def _pending(row: Row) -> list[Piece]:
+        """The row's tokens not yet in its KV cells; the last one's logits are wanted."""
+        pending = row.tokens[row.n_past :]
+        return [Piece(token=t, seq=row.seq, pos=row.n_past + i, output=i == len(pending) - 1) for i, t in enumerate(pending)]
 
-        - a row's prompt (several pieces) is cut where it would be alone: at the multiples
-          of ``n_batch`` positions (of CHUNK with one sequence at a time), and shares a
-          call only with other rows' single tokens, never with another prompt;
+    @staticmethod
+    def _chunks(pieces: Sequence[Piece]) -> list[list[Piece]]:
+        """One prompt's pieces cut at the multiples of CHUNK positions."""
+        calls: list[list[Piece]] = []
+        for piece in pieces:
+            if not calls or piece.pos % CHUNK == 0:
+                calls.append([])
+            calls[-1].append(piece)
+        return calls
+
+    def _forward(self, rows: Sequence[Row]) -> dict[int, np.ndarray]:
+        """Run every row's pending tokens; the logits of each row's last one, by sequence.
+        The calls make every row's numbers those it gets alone (see :mod:`.llama`):
+
+        - a row's prompt (several pieces) runs in calls ending at the multiples of CHUNK
+          positions, as it would alone and whether it resumed or not, and shares a call
+          only with other rows' single tokens (the first one), never with another prompt;
         - a row decoding at position ``LONG_ROW`` or later has a call of its own (alone,
           llama.cpp's CPU flash attention splits its keys over threads);
         - the other rows' single tokens share one call.
-        """
-        by_seq: dict[int, list[Piece]] = {}
-        for piece in pieces:
-            by_seq.setdefault(piece.seq, []).append(piece)
-        shared: list[Piece] = []
+
+        Prompts run in row order, each restored from the prefix cache just before its
+        calls, so a row can resume what an earlier row of the same step saved (a
+        request's ``n`` rows, or two requests with one system prompt)."""
+        out: dict[int, np.ndarray] = {}
+
+        def run(call: list[Piece]) -> None:
+            outputs = [piece.seq for piece in call if piece.output]
+            out.update(zip(outputs, self.llm.decode(call), strict=True))
+            if self.prefix is not None:
+                self._save(rows, call)
+
+        shared: list[Piece] | None = []  # None once it has run beside a prompt's first chunk
         own: list[list[Piece]] = []
-        prompts: list[list[Piece]] = []
-        cut = CHUNK if self.chunked else self.llm.n_batch
-        for row in by_seq.values():
-            if len(row) == 1 and row[0].pos >= LONG_ROW:
-                own.append(row)
-            elif len(row) == 1:
-                shared.append(row[0])
+
+        def single(piece: Piece) -> None:
+            if piece.pos >= LONG_ROW:
+                own.append([piece])
+            elif shared is not None:
+                shared.append(piece)
+            else:  # below LONG_ROW a token alone gets what it gets beside others
+                own.append([piece])
+
+        prompts: list[Row] = []
+        for row in rows:
+            if len(row.tokens) - row.n_past > 1:
+                prompts.append(row)
             else:
-                for piece in row:
-                    if not prompts or piece.pos % cut == 0 or prompts[-1][-1].seq != piece.seq:
-                        prompts.append([])
-                    prompts[-1].append(piece)
-        if not prompts:
-            return [shared, *own] if shared else own
-        return [shared + prompts[0], *prompts[1:], *own]
+                single(self._pending(row)[0])
+        for row in prompts:
+            if self.prefix is not None and row.n_past == 0 and len(row.tokens) == row.prompt_len:
+                self._resume(row)
+            pieces = self._pending(row)
+            if len(pieces) == 1:  # resumed up to its last token
+                single(pieces[0])
+                continue
+            calls = self._chunks(pieces)
+            if shared is not None:
+                calls[0] = shared + calls[0]
+                shared = None
+            for call in calls:
+                run(call)
+        if shared:
+            run(shared)
+        for call in own:
+            run(call)
+        return out
 
     def step(self, batch: GGUFBatch, biases: Sequence[Mapping[int, float] | None], allowed: Sequence[Any] | None = None) -> list[int]:
-        if self.prefix is not None:
-            for row in batch.rows:
-                if row.n_past == 0 and len(row.tokens) == row.prompt_len:
-                    self._resume(row)
-        pieces: list[Piece] = []
-        for row in batch.rows:
-            pending = row.tokens[row.n_past :]
-            for offset, token in enumerate(pending):
-                pieces.append(Piece(token=token, seq=row.seq, pos=row.n_past + offset, output=offset == len(pending) - 1))
-        by_seq: dict[int, np.ndarray] = {}
-        for call in self._calls(pieces):
-            outputs = [piece.seq for piece in call if piece.output]
-            by_seq.update(zip(outputs, self.llm.decode(call), strict=True))
-            if self.prefix is not None:
-                self._save(batch.rows, call)
+        by_seq = self._forward(batch.rows)
         logits = [by_seq[row.seq] for row in batch.rows]
         out: list[int] = []
         broken: dict[int, BaseException] = {}

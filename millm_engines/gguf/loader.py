@@ -127,8 +127,14 @@ def load_engine(location: ModelLocation, settings: Settings) -> GGUFEngine:
         if embeddings
         else {Capability.EMBEDDINGS: f"the model was loaded with {EMBEDDINGS.name}=false (MILLM_{EMBEDDINGS.name.upper()})"}
     )
-    # Prefix reuse is exact with one sequence at a time only (see .prefix).
-    no_prefix = "several sequences share the cache" if parallel > 1 else llm.prefix_refusal() if PREFIX_CACHE_MB.get(settings) else "off"
+    # Prefix reuse is exact where a row's numbers do not depend on its neighbours: one
+    # sequence at a time, or shared batches that are invariant (see .prefix).
+    if not PREFIX_CACHE_MB.get(settings):
+        no_prefix: str | None = "off"
+    elif not (parallel == 1 or shares):
+        no_prefix = "shared batches are not invariant"
+    else:
+        no_prefix = llm.prefix_refusal()
     prefix = StateCache(PREFIX_CACHE_MB.get(settings) * 2**20) if no_prefix is None else None
     engine = GGUFEngine(
         llm,

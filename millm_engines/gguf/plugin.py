@@ -77,7 +77,7 @@ PARALLEL = PluginSetting("gguf_parallel", 8, "sequences a GGUF model decodes tog
 PREFIX_CACHE_MB = PluginSetting(
     "gguf_prefix_cache_mb",
     256,
-    "MiB of prompts' saved KV state kept for prefix reuse with one sequence at a time (--gguf-parallel 1, or --batch-invariant on a file whose shared batches are not invariant; 0: off)",
+    "MiB of prompts' saved KV state kept for prefix reuse where a row's numbers do not depend on its batch (shared batches that are invariant, or one sequence at a time; 0: off)",
     _positive,
 )
 KV_CELLS = PluginSetting(

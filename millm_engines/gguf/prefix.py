@@ -1,15 +1,37 @@
-"""Prefix reuse on the GGUF engine with one sequence at a time (``--gguf-parallel 1`` or
-``--batch-invariant``): llama.cpp's saved state of a prompt's beginning, restored into the
-next row whose prompt shares it.
+"""Prefix reuse on the GGUF engine: llama.cpp's saved state of a prompt's beginning,
+restored into the next row whose prompt shares it, with one sequence at a time or with
+several sharing batches.
 
-Exactness, as on the transformers engine (see ``millm_engines.transformers.prefix``): in
-this mode every prompt runs in ``llama_decode`` calls that end at the multiples of
-:data:`CHUNK`, and only whole chunks are kept, so a resumed prompt's remaining calls see
+Exactness, as on the transformers engine (see ``millm_engines.transformers.prefix``):
+every prompt runs in ``llama_decode`` calls that end at the multiples of :data:`CHUNK`,
+resumed or not, and only whole chunks are kept, so a resumed prompt's remaining calls see
 the same tokens in the same shapes as a full prefill's. The state is the sequence's KV
-cells, byte for byte (``llama_state_seq_get_data``); restored into the empty cache of this
-mode they take the cells a full prefill would have filled (measured: bit-identical logits
-on the f32 test model and SmolLM2 Q4_1). With several sequences a row's cells and the
-calls it shares depend on the other rows, so the engine keeps nothing then.
+cells, byte for byte (``llama_state_seq_get_data``); restored into an empty sequence
+(``llama_state_seq_set_data``, into whichever sequence the row has: each has a KV stream
+of its own) they take the cells a full prefill would have filled (measured: bit-identical
+logits on the tiny f32 and Q8_0 test models, and on SmolLM2 Q4_1).
+
+With several sequences this holds only where a row's numbers do not depend on the rows
+that share its calls: where the engine is batch-invariant (a KV stream per sequence, flash
+attention, a file whose quantization was verified and which passed
+``LlamaModel.shares_exactly`` at load; see :mod:`.llama`). There a joining prompt's calls
+carry only other rows' single tokens beside it, and its saved cells are what it computes
+alone. (llama.cpp runs such a call as one token of each sequence, then the prompt's rest:
+a resumed prompt joining beside decoding rows is cut there too. The load-time check
+covers that cut; tests/e2e/test_prefix_e2e.py checks such a resumed row on SmolLM2 Q4_1,
+whose logits do move with other cuts.) Elsewhere (f32 attention, K-quants, a file failing the check) a prefill's cells
+depend on what shared its calls, so a restored state would be another batch's numbers,
+not the row's own: the engine keeps nothing there.
+
+The cut: with one sequence or several, prompts' calls end at the multiples of CHUNK (128),
+where the shared-batch engine once cut them at ``n_batch`` (512), which would make reuse
+come in multiples of 512. Measured on SmolLM2 Q4_1 with eight sequences, CPU time of one
+thread (the shared two-core test machine swung wall times by 3x): a 512-token prefill took
+7.20 s in calls of 128 against 7.51 s in one call of 512, a 1,024-token one 15.43 s
+against 15.44 s. With two threads on that loaded machine calls of 128 took about 1.4x
+the wall time (more calls, each waiting for two threads that other processes preempt; one
+setting ranged from 6.1 s to 18.8 s), which a quiet machine should confirm. The compute
+is the same, so both modes use calls of 128.
 
 An entry is one prompt's state up to its last whole chunk, keyed by those tokens (the
 model and its KV types are the engine's own); a prompt resumes from the entry sharing the
@@ -24,7 +46,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# The prefill's call length in the one-sequence mode: reuse comes in multiples of it.
+# A prompt's calls end at the multiples of this many positions: reuse comes in multiples of it.
 CHUNK = 128
 
 

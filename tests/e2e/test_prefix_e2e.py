@@ -1,6 +1,6 @@
 """Prefix reuse on the real model, where tiny models hide rounding: SmolLM2-135M in bfloat16
-on the transformers engine's lean decode step, and its packaged Q4_1 GGUF with one
-sequence at a time. A prompt resumed from the cached whole chunks of its earlier run gives
+on the transformers engine's lean decode step, and its packaged Q4_1 GGUF with eight
+sequences sharing batches. A prompt resumed from the cached whole chunks of its earlier run gives
 bit for bit the logits and token for token the greedy tokens of its full prefill; one
 forward pass (one llama.cpp call) over the whole prompt would not, so the comparison can
 fail."""
@@ -18,6 +18,7 @@ from millm_core.api import RowSpec, SamplingParams
 from millm_core.config import cache_root, load_settings
 from millm_core.engine import ModelLocation
 from millm_engines.gguf import engine as gguf_module
+from millm_engines.gguf.llama import Piece
 from millm_engines.gguf.prefix import CHUNK as GGUF_CHUNK
 from millm_engines.transformers.loader import load_engine
 from millm_engines.transformers.prefix import CHUNK
@@ -59,6 +60,11 @@ def test_a_resumed_bfloat16_prefill_on_smollm2_is_exact() -> None:
 
 
 def test_a_restored_prefix_on_the_q4_1_gguf_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the default eight sequences sharing batches (one sequence at a time is checked
+    on the tiny models, tests/gguf/test_gguf_prefix.py): a prompt resumed from one whole
+    chunk (its remaining calls end at 256 and 296), then from two, joining beside a
+    decoding row, samples from the logits of its full prefill bit for bit."""
+    parallel = 8
     seen: list[np.ndarray] = []
     real = gguf_module.sample_row
 
@@ -67,20 +73,42 @@ def test_a_restored_prefix_on_the_q4_1_gguf_is_exact(monkeypatch: pytest.MonkeyP
         return real(logits, *args)
 
     monkeypatch.setattr(gguf_module, "sample_row", sample_row)
-    one = load_gguf(packaged_gguf(), gguf_parallel=1).engine
-    shared = load_gguf(packaged_gguf(), gguf_parallel=8).engine  # prompts in calls of up to 512 tokens, no reuse
+    engine = load_gguf(packaged_gguf(), gguf_parallel=parallel).engine
     try:
-        assert one.prefix is not None and shared.prefix is None
+        assert engine.parallel == parallel and engine.batch_invariant and engine.prefix is not None
         with open(f"{sysconfig.get_paths()['stdlib']}/textwrap.py", encoding="utf-8") as fh:
-            prompt = tuple(one.encode(fh.read(), add_special_tokens=True)[: 2 * GGUF_CHUNK + 40])
-        runs = []
-        for engine in (one, one, shared):
+            ids = engine.encode(fh.read(), add_special_tokens=True)
+        prompt = tuple(ids[: 2 * GGUF_CHUNK + 40])
+        greedy = SamplingParams(temperature=0.0)
+        seen.clear()
+        full = _run(engine, prompt)  # nothing cached: the full prefill
+        full_logits = list(seen)
+        engine.prefix.clear()
+        _run(engine, prompt[: GGUF_CHUNK + 1], steps=1)  # keeps one whole chunk
+        seen.clear()
+        from_one = _run(engine, prompt)  # resumes it, computes 128..295 and keeps two
+        from_one_logits = list(seen)
+        assert (full[2], from_one[2]) == (0, GGUF_CHUNK)
+        assert from_one[0] == full[0] and all(np.array_equal(a, b) for a, b in zip(from_one_logits, full_logits, strict=True))
+        # Resumed from two chunks; on the shared engine joining beside a row that is decoding.
+        runner = tuple(ids[2000:2030])
+        rows = [RowSpec(prompt_ids=runner, sampling=greedy, max_new_tokens=12)] if parallel > 1 else []
+        batch = engine.open_batch(rows)
+        try:
+            if rows:
+                engine.step(batch, [None])
+            engine.join(batch, [RowSpec(prompt_ids=prompt, sampling=greedy, max_new_tokens=8)])
             seen.clear()
-            runs.append((_run(engine, prompt), list(seen)))
-        (full, full_logits), (resumed, resumed_logits), (single, single_logits) = runs
-        assert (full[2], resumed[2], single[2]) == (0, 2 * GGUF_CHUNK, 0)
-        assert resumed[0] == full[0] and all(np.array_equal(a, b) for a, b in zip(resumed_logits, full_logits, strict=True))
-        assert not np.array_equal(single_logits[0], full_logits[0])
+            tokens = [engine.step(batch, [None] * len(batch.rows))[-1] for _ in range(8)]
+            joined_logits = seen[len(rows) :: len(batch.rows)]
+            assert engine.resumed(batch)[-1] == 2 * GGUF_CHUNK
+        finally:
+            engine.close(batch)
+        assert tokens == full[0] and all(np.array_equal(a, b) for a, b in zip(joined_logits, full_logits, strict=True))
+        if parallel > 1:  # one call over the whole prompt computes other logits: the comparisons can fail
+            pieces = [Piece(t, 0, p, p == len(prompt) - 1) for p, t in enumerate(prompt)]
+            whole = engine.llm.decode(pieces)[0]
+            engine.llm.forget(0)
+            assert not np.array_equal(whole, full_logits[0])
     finally:
-        one.llm.close()
-        shared.llm.close()
+        engine.llm.close()
