@@ -361,6 +361,10 @@ class TransformersEngine:
         matrix shapes as alone), which low-precision kernels would otherwise show in its
         tokens. On the lean decode step a row's prefill runs in chunks and may resume from
         the prefix cache; on the generic HF forward it is one forward pass."""
+        if self.fast is None and self.join_refusal is not None:
+            # A cache that cannot be merged (sliding windows, recurrent state): the
+            # request's rows run padded together, as its only batch.
+            return self._prefill_forward(batch)
         one = self._prefill_row if self.fast is not None else self._prefill_forward
         if batch.size == 1:
             return one(batch)
@@ -418,7 +422,7 @@ class TransformersEngine:
 
     def _prefill_forward(self, batch: HFBatch) -> torch.Tensor:
         """The prompts' prefill as one generic HF forward pass, rows left-padded to the
-        longest (the engine passes one row at a time, see :meth:`_prefill`)."""
+        longest (one row at a time where caches can be merged, see :meth:`_prefill`)."""
         lengths = [len(p) for p in batch.prompts]
         width = max(lengths)
         ids = torch.full((len(lengths), width), self._pad_id, dtype=torch.long)

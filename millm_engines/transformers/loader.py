@@ -33,7 +33,7 @@ def is_checkpoint_dir(location: ModelLocation) -> bool:
 
 def _choose_dtype(settings: Settings, config: object) -> torch.dtype:
     declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    return _DTYPES[chosen_dtype(settings.dtype, declared, invariant_in_any_dtype(config, settings))]
+    return _DTYPES[chosen_dtype(settings.dtype, declared, lambda: invariant_in_any_dtype(config, settings))]
 
 
 def _eos_ids(tokenizer: object, path: str) -> frozenset[int]:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from millm_core.api import LoadPlan, ModelLocation, Settings, UnsupportedQuantization, host_available_bytes
 
-from .rows import possible as rows_possible
 from .settings import FAST_DECODE, LEAN_MODEL_TYPES
 
 # Bytes per element of the dtypes millm serves a checkpoint in.
@@ -23,26 +23,31 @@ _OTHERS = {"I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "
 _HEADER_LIMIT = 100 * 2**20  # safetensors' own bound on a header
 
 
-def chosen_dtype(setting: str, declared: object, invariant: bool) -> str:
+def chosen_dtype(setting: str, declared: object, invariant: Callable[[], bool]) -> str:
     """The dtype a checkpoint is served in: ``--dtype`` unless ``auto``. ``auto`` takes
     the dtype its config declares (bfloat16 for most recent checkpoints) where a row's
-    tokens stay independent of its batch in every dtype (``invariant``): on the lean
-    decode step, and on the generic HF forward where each row can attend over its own
-    cache columns (:func:`.rows.possible`). A model attending otherwise masks the columns
-    it does not own, which only float32 leaves the tokens alone for: there ``auto`` is
-    float32 (ask for ``--dtype bfloat16`` to trade that away for speed)."""
+    tokens stay independent of its batch in every dtype (``invariant()``, asked only
+    then): on the lean decode step, and on the generic HF forward where each row can
+    attend over its own cache columns (``rows.possible``). A model attending otherwise
+    masks the columns it does not own, which only float32 leaves the tokens alone for:
+    there ``auto`` is float32 (ask for ``--dtype bfloat16`` to trade that away for speed)."""
     if setting != "auto":
         return setting
     name = str(declared).removeprefix("torch.") if declared is not None else ""
     if name not in SERVED_WIDTH:
         return "float32"
-    return name if invariant or name == "float32" else "float32"
+    return name if name == "float32" or invariant() else "float32"
 
 
 def invariant_in_any_dtype(config: object, settings: Settings) -> bool:
     """Whether a checkpoint with this config would decode batch-invariantly in every dtype:
-    on the lean decode step, or on the generic HF forward with row-wise attention."""
-    return lean_step(config, settings) or rows_possible(config)
+    on the lean decode step, or on the generic HF forward with row-wise attention (which
+    takes importing transformers to tell)."""
+    if lean_step(config, settings):
+        return True
+    from .rows import possible  # imports torch: only when auto has a low-precision dtype to weigh
+
+    return possible(config)
 
 
 def lean_refusal(config: object) -> str | None:
@@ -157,7 +162,7 @@ def preflight(location: ModelLocation, settings: Settings) -> LoadPlan:
     config = _config(location.path)
     quantization = config.get("quantization_config")
     check_quantization(location.served_name, quantization)
-    dtype = chosen_dtype(settings.dtype, config.get("dtype") or config.get("torch_dtype"), invariant_in_any_dtype(config, settings))
+    dtype = chosen_dtype(settings.dtype, config.get("dtype") or config.get("torch_dtype"), lambda: invariant_in_any_dtype(config, settings))
     width = None if quantization is not None else SERVED_WIDTH[dtype]
     # Unreadable or malformed weight files raise: the core refuses the load before it
     # unloads anything (model_load_failed).

@@ -4,10 +4,11 @@ A batch's rows share cache columns, right-aligned: a row holds its fed tokens in
 columns ``[start, length)``, the mask hiding those to the left (no mask: every row starts
 at 0). Rewinding a row by k drops its last k columns: its kept columns move right by k, the
 mask hides the k columns freed at its left, and columns no row uses any more are cut from
-the left of the cache (a view, no copy). The lean decode step attends over each row's own
-columns, so the move changes nothing the row computes. The generic HF forward masks the freed
-columns, which changes the row's sums by rounding (more in bfloat16): there a row is exact
-when alone, its freed columns then all cut.
+the left of the cache (a view, no copy). Both paths attend over each row's own columns (the
+lean decode step by construction, the generic HF forward through :mod:`.rows`), so the move
+changes nothing the row computes. (A generic model attending without SDPA masks the freed
+columns instead, which changes the row's sums by rounding, more in bfloat16: there a row is
+exact when alone, its freed columns then all cut.)
 
 A row taken back to its prompt (``k == n``) re-feeds its last prompt token through a decode
 step, which reproduces the prefill's key, value and logits for that token only to rounding

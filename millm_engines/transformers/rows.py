@@ -110,8 +110,9 @@ def _register() -> None:
 def possible(config: object) -> bool:
     """Whether a checkpoint with this config (a ``config.json`` dict or a transformers
     config) would load attending with SDPA, so that :func:`install` can switch it: its
-    causal-LM class supports SDPA, its config names no other attention implementation,
-    and it soft-caps no attention logits (SDPA cannot)."""
+    causal-LM class supports SDPA and dispatches attention through transformers'
+    ``AttentionInterface``, its config names no other attention implementation, and it
+    soft-caps no attention logits (SDPA cannot). Imports transformers (and torch)."""
 
     def get(key: str) -> object:
         return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
@@ -126,7 +127,11 @@ def possible(config: object) -> bool:
 
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(get("model_type")))
     cls = getattr(transformers, name, None) if isinstance(name, str) else None
-    return bool(getattr(cls, "_supports_sdpa", False))
+    if not getattr(cls, "_supports_sdpa", False):
+        return False
+    # Some SDPA models (Falcon) do not dispatch through AttentionInterface: they cannot switch.
+    can_switch = getattr(cls, "_can_set_attn_implementation", None)
+    return bool(can_switch()) if callable(can_switch) else False
 
 
 def install(model: Any) -> str | None:

@@ -22,7 +22,7 @@ from millm_core.config import load_settings
 from millm_core.engine import ModelLocation, backend_of
 from millm_engines.transformers.generic import join_refusal, layout_refusal
 from millm_engines.transformers.loader import load_engine
-from millm_engines.transformers.rows import install
+from millm_engines.transformers.rows import install, possible
 from millm_engines.transformers.sampler import sample
 from millm_engines.transformers.testing import tiny_model_dir
 
@@ -136,6 +136,26 @@ def test_a_sliding_window_model_runs_alone_and_says_so(sliding: Any) -> None:
         assert len(sliding.step(batch, [None])) == 1  # the running batch is untouched
     finally:
         sliding.close(batch)
+
+
+def test_a_serial_models_request_of_several_rows_runs_together(sliding: Any) -> None:
+    """Rows of one request on a model whose cache cannot be merged (``n`` > 1, or
+    conversations of different lengths) prefill together in one padded pass: identical
+    rows are the solo row, and a longer row beside a shorter one keeps its solo tokens."""
+    row, short = spec(sliding, TEXTS[0]), spec(sliding, TEXTS[1])
+    alone = solo(sliding, row, 6)
+    assert drive(sliding, [row, row], steps=6) == {0: alone, 1: alone}
+    got = drive(sliding, [row, short], steps=6)
+    assert got[0] == alone and len(got[1]) == 6
+
+
+def test_rows_attention_is_possible_only_where_a_model_can_switch_to_it() -> None:
+    from transformers import FalconConfig, Qwen2Config
+
+    assert possible(Qwen2Config(num_hidden_layers=2).to_dict())
+    assert not possible({**Qwen2Config(num_hidden_layers=2).to_dict(), "attn_implementation": "eager"})
+    assert not possible({**Qwen2Config(num_hidden_layers=2).to_dict(), "attn_logit_softcapping": 50.0})
+    assert not possible(FalconConfig().to_dict())  # SDPA, but not through AttentionInterface
 
 
 def test_the_decision_refuses_every_layout_it_cannot_merge() -> None:
