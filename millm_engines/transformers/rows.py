@@ -11,7 +11,8 @@ Qwen2: 0.06 in the logits within 12 steps), so its tokens depended on the load.
 This module registers an attention implementation with transformers'
 ``AttentionInterface`` (:data:`NAME`) that, for a decode step (one query per row), runs
 SDPA once per row over exactly the key and value columns the row's mask keeps, with no
-mask: the same call, on the same tensors, as the row alone. A forward with several query
+mask (PyTorch's SDPA directly, grouped-query heads expanded by SDPA itself): the same
+call, on the same tensors, as the row alone. A forward with several query
 positions (a prefill, scoring) goes to SDPA unchanged; the engine prefills each row on its
 own, so no prefill of a generated row is ever padded. The matrix products around attention
 are per row already (oneDNN's bfloat16 kernels give a row the same bits whatever the row
@@ -27,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
@@ -60,6 +62,7 @@ def rows_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     picks = _columns(attention_mask) if attention_mask is not None else None
+    gqa = query.shape[1] != key.shape[1]
     outputs: list[torch.Tensor] = []
     for row in range(query.shape[0]):
         keys, values = key[row : row + 1], value[row : row + 1]
@@ -68,9 +71,8 @@ def rows_attention(
             keys, values = keys[:, :, pick], values[:, :, pick]
         elif pick is not None:
             keys, values = keys.index_select(2, pick), values.index_select(2, pick)
-        out, _ = sdpa_attention_forward(module, query[row : row + 1], keys, values, None, dropout=dropout, scaling=scaling, **kwargs)
-        outputs.append(out)
-    return torch.cat(outputs), None
+        outputs.append(F.scaled_dot_product_attention(query[row : row + 1], keys, values, dropout_p=dropout, scale=scaling, enable_gqa=gqa))
+    return torch.cat(outputs).transpose(1, 2).contiguous(), None
 
 
 # The last mask read and its rows' columns: every layer of a forward pass gets the same
