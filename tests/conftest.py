@@ -36,6 +36,37 @@ configure_logging("console", os.environ.get("MILLM_TEST_LOG_LEVEL", "warning"))
 TINY = "tiny"
 
 
+def _share_the_default_ssl_context() -> None:
+    """Build httpx's default TLS context (the CA bundle loaded) once per session, not once
+    per client. ``httpx.post``/``httpx.get`` and every ``openai.OpenAI`` build a client per
+    call, and loading the CA bundle is ~50 ms of each (314 clients were 17 s of 47 s in
+    test_profiles + test_hardening). Nothing else changes: the tests' requests still go
+    over real sockets to real servers (plain http on 127.0.0.1, where the context is never
+    used); a client asking for anything but the default (``verify=False``, a context of its
+    own, a client certificate) gets what httpx builds for it."""
+    import functools
+
+    try:
+        import httpx._transports.default as transport
+    except ImportError:  # pragma: no cover - another httpx layout: clients build their own
+        return
+    create = transport.create_ssl_context
+
+    @functools.cache
+    def default(trust_env: bool, cafile: str | None, capath: str | None) -> Any:
+        return create(verify=True, cert=None, trust_env=trust_env)
+
+    def create_ssl_context(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
+        if verify is True and cert is None:
+            return default(trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        return create(verify=verify, cert=cert, trust_env=trust_env)
+
+    transport.create_ssl_context = create_ssl_context
+
+
+_share_the_default_ssl_context()
+
+
 @pytest.fixture(scope="session")
 def tiny_dir() -> str:
     return tiny_model_dir()
@@ -117,12 +148,16 @@ def client(server: RunningServer) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="session")
-def short_context_server(tiny_dir: str, make_server: ServerFactory) -> Iterator[RunningServer]:
+def short_context_model(tiny_dir: str) -> ServedModel:
+    """The tiny model with a 64-token window (served as ``tiny``)."""
+    return _load(tiny_dir, TINY, load_settings({"max_model_len": 64}, environ={}))
+
+
+@pytest.fixture(scope="session")
+def short_context_server(short_context_model: ServedModel, make_server: ServerFactory) -> Iterator[RunningServer]:
     """A server whose model has a 64-token window, so that fuzzed requests that are valid
     stay cheap (long budgets are refused as context_length_exceeded)."""
-    settings = load_settings({"max_model_len": 64}, environ={})
-    model = _load(tiny_dir, TINY, settings)
-    with make_server(models=[model], default_max_tokens=4) as srv:
+    with make_server(models=[short_context_model], default_max_tokens=4) as srv:
         yield srv
 
 

@@ -63,10 +63,44 @@ EXAMPLE_TOOLS_TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "..", "ex
 
 @pytest.fixture(scope="session")
 def smollm2_tools_server() -> Iterator[ServeProcess]:
-    """The default model served with the example Hermes-style template (docs/tools.md)."""
+    """The default model served with the example Hermes-style template (docs/tools.md),
+    its constraint vocabulary built (see ``wait_constraint_vocabulary``)."""
     server = ServeProcess(["--chat-template", EXAMPLE_TOOLS_TEMPLATE])
     try:
         server.wait_ready(timeout=600)
+        wait_constraint_vocabulary(server, "SmolLM2-135M-Instruct", timeout=300)
+        yield server
+    finally:
+        server.stop()
+
+
+def wait_constraint_vocabulary(server: ServeProcess, model: str, timeout: float) -> None:
+    """Until a constrained request is served: the first one starts building the model's
+    constraint vocabulary (from its disk cache when there is one) and is answered 503
+    ``constraint_vocabulary_building`` meanwhile, with a Retry-After from the scheduler's
+    queue estimate (11 s seen) that the SDK's retry honours. Polling here at 0.2 s costs
+    the build's own time instead; the tests' requests are then served as they would be
+    after a retry. A 503 with another code, or any other failure, fails here."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "response_format": {"type": "json_object"}}  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while True:
+        resp = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
+        if resp.status_code != 503 or resp.json()["error"]["code"] != "constraint_vocabulary_building":
+            assert resp.status_code == 200, resp.text
+            return
+        assert time.monotonic() < deadline, "the constraint vocabulary was not built in time"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def gguf_default_server() -> Iterator[ServeProcess]:
+    """``millm serve --engine gguf``: the packaged Q4_1 SmolLM2 GGUF, as its users start it.
+    One for the session: the modules that use it only send requests (greedy or seeded),
+    and their checks hold whatever was served before."""
+    server = ServeProcess(["--engine", "gguf"])
+    try:
+        server.wait_ready(timeout=300)
         yield server
     finally:
         server.stop()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import openai
 import pytest
@@ -17,13 +15,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France? Answer i
 
 
 @pytest.fixture(scope="module")
-def gguf_default() -> Iterator[ServeProcess]:
-    server = ServeProcess(["--engine", "gguf"])
-    try:
-        server.wait_ready(timeout=300)
-        yield server
-    finally:
-        server.stop()
+def gguf_default(gguf_default_server: ServeProcess) -> ServeProcess:
+    """The session's ``millm serve --engine gguf`` (shared with test_invariance_e2e)."""
+    return gguf_default_server
 
 
 def test_packaged_gguf_answers_paris(gguf_default: ServeProcess) -> None:
@@ -33,12 +27,12 @@ def test_packaged_gguf_answers_paris(gguf_default: ServeProcess) -> None:
     assert all(m.model_extra is not None and m.model_extra["millm"]["state"] == "available" for m in listed[1:])
     resp = client.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, max_tokens=30)  # type: ignore[arg-type]
     assert "Paris" in (resp.choices[0].message.content or "") and resp.choices[0].finish_reason == "stop"
-    raw = httpx.post(gguf_default.base_url + "/v1/chat/completions", json={"model": NAME, "messages": QUESTION, "max_tokens": 2})
+    raw = httpx.post(gguf_default.base_url + "/v1/chat/completions", json={"model": NAME, "messages": QUESTION, "max_tokens": 2}, timeout=120)
     assert raw.headers["x-millm-backend"] == "batched"  # shared llama.cpp batches, invariant (checked at load)
     assert resp.system_fingerprint is not None and resp.system_fingerprint.endswith(":q4_1/Q4_1:llama.cpp")
-    bare = httpx.post(gguf_default.base_url + "/v1/chat/completions", json={"model": "SmolLM2-135M-Instruct-GGUF", "messages": QUESTION})
+    bare = httpx.post(gguf_default.base_url + "/v1/chat/completions", json={"model": "SmolLM2-135M-Instruct-GGUF", "messages": QUESTION}, timeout=120)
     assert bare.status_code == 404 and NAME in bare.json()["error"]["message"]
-    seeded = httpx.post(gguf_default.base_url + "/v1/chat/completions", json={"model": NAME, "messages": QUESTION, "seed": 1, "max_tokens": 8})
+    seeded = httpx.post(gguf_default.base_url + "/v1/chat/completions", json={"model": NAME, "messages": QUESTION, "seed": 1, "max_tokens": 8}, timeout=120)
     assert seeded.status_code == 200 and seeded.headers["x-millm-seed"] == '1;scope="request"'
     embedded = client.embeddings.create(model=NAME, input="Paris")
     assert len(embedded.data[0].embedding) == 576

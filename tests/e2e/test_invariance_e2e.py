@@ -66,13 +66,10 @@ def bf16_server() -> Iterator[ServeProcess]:
 
 
 @pytest.fixture(scope="module")
-def gguf_server() -> Iterator[ServeProcess]:
-    server = ServeProcess(["--engine", "gguf"])
-    try:
-        server.wait_ready(timeout=300)
-        yield server
-    finally:
-        server.stop()
+def gguf_server(gguf_default_server: ServeProcess) -> ServeProcess:
+    """The session's ``millm serve --engine gguf`` (shared with test_gguf_default): the
+    solo answers are taken on it here, before the loaded ones they are compared with."""
+    return gguf_default_server
 
 
 def test_smollm2_bf16_answers_the_same_under_load(bf16_server: ServeProcess) -> None:

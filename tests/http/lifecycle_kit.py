@@ -33,7 +33,7 @@ class Held:
 
     def on_token(self, token_id: int, text: str) -> tuple[str, bool]:
         self.gate.entered.set()
-        self.gate.opened.wait(30)
+        self.gate.hold()
         time.sleep(self.gate.pause)
         return text, False
 
@@ -47,8 +47,32 @@ class Gate:
     def __init__(self, pause: float = 0.0) -> None:
         self.entered = threading.Event()
         self.opened = threading.Event()
+        self.stepped = threading.Event()  # set by ``step_for_model_thread_work``: one token passes
         self.pause = pause
         self.events: list[str] = []
+
+    def hold(self) -> None:
+        """At a held row's token: wait until the gate opens (30 s at most), or until the
+        test lets this one token through (``step_for_model_thread_work``)."""
+        deadline = time.monotonic() + 30
+        while not self.opened.wait(0.005):
+            if self.stepped.is_set():
+                self.stepped.clear()
+                return
+            if time.monotonic() >= deadline:
+                return
+
+    def step_for_model_thread_work(self, srv: RunningServer) -> None:
+        """Once some work waits for the model thread (``GET /api/health/inference`` counts
+        it in ``scheduler.queued``), let the held row take one token: the scheduler runs
+        that work between this step and the next, where the row is held again. A switch
+        needs the model thread (to locate the engine) before it unloads the resident; the
+        tests used to get it by letting ``hold`` time out, 30 s later."""
+        deadline = time.monotonic() + 60
+        while httpx.get(srv.base_url + "/api/health/inference", timeout=60).json()["scheduler"]["queued"] < 1:
+            assert time.monotonic() < deadline, "nothing came to wait for the model thread"
+            time.sleep(0.01)
+        self.stepped.set()
 
     @hookimpl
     def millm_pre_forward(self, ctx: RequestContext, request: Any, plan: ForwardPlan) -> None:

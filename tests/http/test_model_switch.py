@@ -172,6 +172,9 @@ def test_a_switch_lets_the_residents_requests_finish_and_refuses_others_meanwhil
         running = pool.submit(post, srv, "/v1/chat/completions", {"model": "tiny", **CHAT, "max_tokens": 4}, headers={"X-Gate": "1"})
         assert gate.entered.wait(30)
         switching = pool.submit(_complete, srv, "tiny-b")
+        # The switch waits for the model thread (which the held row keeps): one token
+        # passes, the row is held again at its next one, still running, as the switch unloads.
+        gate.step_for_model_thread_work(srv)
         wait_for_state(srv, "tiny", "unloading")
         states = entries(srv)
         assert (states["tiny"]["state"], states["tiny-b"]["state"]) == ("unloading", "loading")
@@ -333,6 +336,7 @@ def test_a_lock_waits_out_a_switch(srv: RunningServer, gate: Gate) -> None:
         running = pool.submit(post, srv, "/v1/chat/completions", {"model": "tiny", **CHAT, "max_tokens": 2}, headers={"X-Gate": "1"})
         assert gate.entered.wait(30)
         switching = pool.submit(_complete, srv, "tiny-b")
+        gate.step_for_model_thread_work(srv)  # the switch's model-thread work runs; the row is held at its 2nd token
         wait_for_state(srv, "tiny", "unloading")
         for path in ("/api/models/tiny/lock", "/api/models/tiny/unlock"):
             refused = post(srv, path)
