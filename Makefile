@@ -47,6 +47,7 @@ bench: $(VENV)/.dev
 	$(PY) bench/bench_concurrency.py
 	$(PY) bench/bench_gguf.py
 	$(PY) bench/bench_peers.py
+	$(PY) bench/bench_rows.py
 	$(PY) bench/bench_structured.py
 	$(PY) bench/bench_circuits.py
 	$(PY) bench/bench_activations.py
