@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -75,12 +76,29 @@ class Store:
         self.path = path
         self._lock = threading.Lock()
         self._conn = sqlite3.connect(path, timeout=STARTUP_WAIT_S, check_same_thread=False, isolation_level=None)
-        self._conn.execute("PRAGMA journal_mode=WAL" if path != ":memory:" else "PRAGMA journal_mode=MEMORY")
-        self._conn.execute("CREATE TABLE IF NOT EXISTS migrations (namespace TEXT PRIMARY KEY, version INTEGER NOT NULL)")
+        self._opening("PRAGMA journal_mode=WAL" if path != ":memory:" else "PRAGMA journal_mode=MEMORY")
+        self._opening("CREATE TABLE IF NOT EXISTS migrations (namespace TEXT PRIMARY KEY, version INTEGER NOT NULL)")
         self._wait(BUSY_TIMEOUT_S)
         # A second connection for reads (a file database only: ":memory:" is per connection).
         self._read_lock = self._lock if path == ":memory:" else threading.Lock()
         self._reader = self._conn if path == ":memory:" else sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, check_same_thread=False, isolation_level=None)
+
+    def _opening(self, statement: str) -> None:
+        """Run a statement of the database's opening, retried for up to ``STARTUP_WAIT_S``
+        while another connection holds a lock SQLite does not wait for by itself: a
+        connection opening the same new file at the same moment (switching it to WAL, or
+        creating the bookkeeping table after our read of the schema, SQLITE_BUSY_SNAPSHOT)
+        is refused at once rather than through the busy handler."""
+        deadline = time.monotonic() + STARTUP_WAIT_S
+        while True:
+            try:
+                self._conn.execute(statement)
+                return
+            except sqlite3.OperationalError as exc:
+                busy = (exc.sqlite_errorcode & 0xFF) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+                if not busy or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
 
     def _wait(self, seconds: float) -> None:
         self._conn.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
