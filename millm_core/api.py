@@ -15,8 +15,8 @@ The groups, in the order a plugin meets them:
 - what request hooks exchange: ``Problem``, ``Generate``, ``Compute``, ``Reply``,
   ``ForwardPlan``, ``RowInfo``, ``TokenProcessor``, ``Outcome``, ``ChoiceResult``,
   ``Finalization``, ``RowOwner``;
-- the engine contract: ``Engine``, ``Batch``, ``Joinable``, ``Embedder``, ``Scorer``,
-  ``ResidualReader``, ``Tapping``, ``Rewinding``, ``PrefixReusing``, ``Tap``, ``Readout``,
+- the engine contract: ``Engine``, ``Batch``, ``Joinable``, ``EagerJoin``, ``Embedder``,
+  ``Scorer``, ``ResidualReader``, ``Tapping``, ``Rewinding``, ``PrefixReusing``, ``Tap``, ``Readout``,
   ``ResidualListener``, ``Capability``, ``Capacity``, ``ModelInfo``, ``RowSpec``,
   ``SamplingParams``, ``ServedModel``, ``ModelRegistry``, ``SwitchTarget``;
 - OpenAI's request and response contracts;
@@ -53,6 +53,7 @@ from .engine import (
     Batch,
     Capability,
     Capacity,
+    EagerJoin,
     Embedder,
     Engine,
     EngineFactory,
@@ -157,6 +158,7 @@ __all__ = [
     "EmbeddingRequest",
     "EmbeddingResponse",
     "EmbeddingUsage",
+    "EagerJoin",
     "Embedder",
     "Endpoint",
     "Engine",

@@ -44,6 +44,7 @@ import pytest
 
 from .engine import (
     Capability,
+    EagerJoin,
     Embedder,
     Engine,
     EngineFactory,
@@ -89,12 +90,15 @@ def drive(
     *,
     joins: Mapping[int, Sequence[RowSpec]] | None = None,
     drop: Mapping[int, Sequence[int]] | None = None,
+    eager: bool = False,
 ) -> list[list[int]]:
     """Step ``rows`` together until each ends (at an EOS token, included, or after
     ``budget`` tokens) and return each row's tokens, in order: the initial rows, then the
     joined ones. ``joins[k]``: rows that join (:meth:`Joinable.join`) after ``k`` steps.
     ``drop[k]``: rows (by that index) freed with :meth:`Engine.retain` after step ``k``
-    (0-based). A finished row is freed with ``retain`` too, as the core does."""
+    (0-based). A finished row is freed with ``retain`` too, as the core does. With
+    ``eager``, rows that join after a step draw their first token at once
+    (:meth:`EagerJoin.first_tokens`), as the core does on such an engine."""
     pending = dict(joins or {})
     drop = drop or {}
     out: list[list[int]] = [[] for _ in rows]
@@ -106,8 +110,21 @@ def drive(
             if step in pending or (not live and pending):
                 new = pending.pop(step if step in pending else min(pending))
                 cast(Joinable, engine).join(batch, list(new))
-                live += range(len(out), len(out) + len(new))
+                joined = range(len(out), len(out) + len(new))
+                live += joined
                 out += [[] for _ in new]
+                if eager and step > 0:
+                    firsts = cast(EagerJoin, engine).first_tokens(batch, [None] * len(new))
+                    assert len(firsts) == len(new), f"first_tokens returned {len(firsts)} tokens for {len(new)} joined rows"
+                    for index, token in zip(joined, firsts, strict=True):
+                        out[index].append(int(token))
+                    keep = [pos for pos, index in enumerate(live) if not _done(engine, out[index], budget)]
+                    if len(keep) != len(live):
+                        if keep or pending:
+                            engine.retain(batch, keep)
+                        live = [live[pos] for pos in keep]
+                    if not live and not pending:
+                        break
             tokens = engine.step(batch, [None] * len(live))
             assert len(tokens) == len(live), f"step returned {len(tokens)} tokens for {len(live)} live rows"
             for index, token in zip(live, tokens, strict=True):
@@ -205,6 +222,23 @@ class EngineConformance:
         got = drive(engine, running, self.MAX_NEW_TOKENS, joins={self.JOIN_AFTER: [joining]})
         assert got[:2] == solo[:2], "the running rows changed when a row joined"
         assert got[2] == solo[2], "the joined row differs from its solo run"
+
+    def test_joined_rows_drawn_at_join_equal_solo(self, conformance_engine: Engine) -> None:
+        """:class:`~millm_core.engine.EagerJoin`: rows that join after ``JOIN_AFTER`` steps
+        and draw their first token at once (one greedy, one seeded) get their solo tokens,
+        and the rows already running keep theirs."""
+        engine = conformance_engine
+        if not isinstance(engine, EagerJoin):
+            pytest.skip("engine is not EagerJoin")
+        prompts = self._prompts(engine)
+        running = [self._row(p) for p in prompts[:2]]
+        joining = [self._row(prompts[2]), self._row(prompts[0], SamplingParams(temperature=1.0, seed=self.SEED))]
+        solo = [self._solo(engine, r) for r in [*running, *joining]]
+        for tokens in solo[:2]:
+            self._runs_past(tokens, self.JOIN_AFTER + 1)
+        got = drive(engine, running, self.MAX_NEW_TOKENS, joins={self.JOIN_AFTER: joining}, eager=True)
+        assert got[:2] == solo[:2], "the running rows changed when rows joined and drew at once"
+        assert got[2:] == solo[2:], "a row that drew its first token at join differs from its solo run"
 
     def test_retain_frees_rows(self, conformance_engine: Engine) -> None:
         """``retain(keep=[1])`` after ``JOIN_AFTER`` steps leaves row 1 alone in the batch:

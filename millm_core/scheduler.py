@@ -14,7 +14,8 @@ another thread).
 On an engine that is :class:`~millm_core.engine.Joinable` (the GGUF engine; the
 transformers engine on its lean decode step), jobs queued for the same engine join the
 running batch between steps while the engine says they fit: concurrent requests then share
-each forward pass. A queued job that cannot join (another engine, no room) does not hold
+each forward pass. On an engine that is also :class:`~millm_core.engine.EagerJoin`, rows
+that join a batch that has stepped draw their first token at once, before the next step. A queued job that cannot join (another engine, no room) does not hold
 back later jobs that can, up to :attr:`Scheduler.max_overtakes` times; after that the
 batch takes no more joins and drains so that it runs next. Otherwise a batch holds one
 job's rows. Model calls run between steps, in queue order.
@@ -38,8 +39,9 @@ from typing import Any, TypeVar, cast
 import msgspec
 import structlog
 
-from .engine import Capability, Joinable, PrefixReusing, Rewinding, Tapping
-from .errors import FieldNotHonoured, MillmError, QueueFull, ServiceUnavailable
+from .batchrun import BatchRun, emit
+from .engine import EagerJoin, Joinable, PrefixReusing, Rewinding, Tapping
+from .errors import MillmError, QueueFull, ServiceUnavailable
 from .jobs import (
     Call,
     Job,
@@ -50,11 +52,9 @@ from .jobs import (
     SchedulerStats,
     ServiceClock,
     StepEvents,
-    row_error,
     scheduler_down,
     threadsafe_emitter,
 )
-from .rows import RowEvent
 
 __all__ = [
     "Call",
@@ -74,14 +74,6 @@ log = structlog.get_logger("millm.scheduler")
 AGENT = "agent"  # the lower-priority lane (Job.lane); everything else is interactive
 
 R = TypeVar("R")
-
-
-def _emit(job: Job, event: JobEvent) -> None:
-    """Hand ``event`` to the job's request; a request whose loop is gone is dropped."""
-    try:
-        job.emit(event)
-    except Exception:  # noqa: BLE001 - a closed event loop must not stop the worker
-        log.warning("emit_failed", request_id=job.request_id, event=type(event).__name__)
 
 
 def _settle(call: Call, error: BaseException) -> None:
@@ -106,7 +98,7 @@ class Scheduler:
         self._waiting: collections.deque[Job | Call] = collections.deque()
         self._stopping = False
         self._failure: str | None = None  # why the model thread stopped
-        self._run_now: _Run | None = None
+        self._run_now: BatchRun | None = None
         self._clock = ServiceClock()
         self.stats = SchedulerStats()
         self._thread = threading.Thread(target=self._worker, name="millm-scheduler", daemon=True)
@@ -243,7 +235,7 @@ class Scheduler:
             if isinstance(item, Job):
                 self.stats.cancelled_rows += len(item.drivers)
         if isinstance(item, Job):
-            _emit(item, JobDone(cancelled=True))
+            emit(item, JobDone(cancelled=True))
 
     def _take(self) -> Job | Call | None:
         """The oldest waiting item (blocking while none), or None when stopping."""
@@ -307,7 +299,7 @@ class Scheduler:
             else:
                 with self._lock:
                     self.stats.failed_jobs += 1
-                _emit(item, JobFailed(error()))
+                emit(item, JobFailed(error()))
 
     def _call(self, item: Call) -> None:
         if item.future.set_running_or_notify_cancel():
@@ -317,7 +309,7 @@ class Scheduler:
                 item.future.set_exception(exc)
             self._clock.done()
 
-    def _admit(self, run: _Run, joinable: Joinable | None, batch: Any) -> None:
+    def _admit(self, run: BatchRun, joinable: Joinable | None, batch: Any) -> None:
         """Between steps: run waiting calls and join waiting jobs for this engine that fit
         (when the engine is joinable), in queue order. A job that has to wait keeps its
         place without holding back the jobs behind it, until it has been overtaken
@@ -346,12 +338,40 @@ class Scheduler:
                 log.exception("join_failed", request_id=item.request_id)
                 with self._lock:
                     self.stats.failed_jobs += 1
-                _emit(item, JobFailed(exc))
+                emit(item, JobFailed(exc))
                 continue
             for job in blocked:
                 job.overtaken += 1
                 starving = starving or job.overtaken >= self.max_overtakes
             run.start(item)
+
+    def _draw(self, run: BatchRun, engine: Any, batch: Any, first: int, draw: Callable[..., list[int]]) -> None:
+        """One draw of tokens for the batch's rows from position ``first`` on: ``draw`` is
+        :meth:`~millm_core.engine.Engine.step` (``first`` 0, every row) or
+        :meth:`~millm_core.engine.EagerJoin.first_tokens` (the rows that just joined). Then
+        the rows' readouts, resumed prompt counts, events, finished rows and rewinds."""
+        biases, allowed = run.biases(first)
+        try:
+            # ``allowed`` goes to the engine only when some row is constrained, so an engine
+            # without masks (and the unconstrained path) never sees it; the masked form is
+            # declared by Capability.STRUCTURED_OUTPUT.
+            tokens = draw(batch, biases, allowed) if allowed is not None else draw(batch, biases)
+        except RowsFailed as partial:
+            tokens = partial.tokens
+            run.fail_rows(partial.errors)
+        if isinstance(engine, Tapping) and run.tapped():
+            run.read(engine.readouts(batch))
+        if isinstance(engine, PrefixReusing) and run.fresh_rows:
+            run.resumed(engine.resumed(batch))
+        rows = len(run.slots)
+        keep = run.accept(tokens, first)
+        if len(keep) < rows and run.slots:
+            engine.retain(batch, keep)
+        for pos, k in run.rewinds():
+            try:
+                cast(Rewinding, engine).rewind(batch, pos, k)  # rows of engines with Capability.REWIND only
+            except Exception as exc:  # noqa: BLE001 - this row's request fails, not the batch
+                run.rewind_failed(pos, exc)
 
     def _run(self, first: Job) -> None:
         """Step one batch until every row in it is done: ``first``'s rows, and on a
@@ -360,17 +380,17 @@ class Scheduler:
         if first.cancelled.is_set():
             with self._lock:
                 self.stats.cancelled_rows += len(first.drivers)
-            _emit(first, JobDone(cancelled=True))
+            emit(first, JobDone(cancelled=True))
             return
-        run = _Run(self)
+        run = BatchRun(self)
         self._run_now = run
         batch = None
         run.start(first)  # before open_batch: a batch that cannot open fails this job, never strands it
         try:
             batch = engine.open_batch(first.rows)
             joinable = engine if isinstance(engine, Joinable) else None
-            tapping = engine if isinstance(engine, Tapping) else None
-            reusing = engine if isinstance(engine, PrefixReusing) else None
+            eager = engine if isinstance(engine, EagerJoin) else None
+            stepped = False
             while run.slots:
                 if self._stopping:
                     run.fail_all(ServiceUnavailable("The server is shutting down; this request was stopped.", code="shutting_down"))
@@ -382,31 +402,18 @@ class Scheduler:
                 if not run.slots:
                     break
                 if self._waiting:
+                    running = len(run.slots)
                     self._admit(run, joinable, batch)
-                biases, allowed = run.biases()
+                    if eager is not None and stepped and len(run.slots) > running:
+                        # The joined rows' first tokens now, not after everyone's next step.
+                        self._draw(run, engine, batch, running, eager.first_tokens)
+                        if not run.slots:
+                            break
                 started = time.perf_counter()
-                try:
-                    # ``allowed`` goes to the engine only when some row is constrained, so an
-                    # engine without masks (and the unconstrained path) never sees it.
-                    step: Any = engine.step  # the masked form is declared by Capability.STRUCTURED_OUTPUT
-                    tokens = step(batch, biases, allowed) if allowed is not None else step(batch, biases)
-                except RowsFailed as partial:
-                    tokens = partial.tokens
-                    run.fail_rows(partial.errors)
-                if tapping is not None and run.tapped():
-                    run.read(tapping.readouts(batch))
-                if reusing is not None and run.fresh_rows:
-                    run.resumed(reusing.resumed(batch))
+                self._draw(run, engine, batch, 0, engine.step)
+                stepped = True
                 if self._observe_step is not None:
                     self._observe_step(time.perf_counter() - started)
-                keep = run.accept(tokens)
-                if len(keep) < len(tokens) and run.slots:
-                    engine.retain(batch, keep)
-                for pos, k in run.rewinds():
-                    try:
-                        cast(Rewinding, engine).rewind(batch, pos, k)  # rows of engines with Capability.REWIND only
-                    except Exception as exc:  # noqa: BLE001 - this row's request fails, not the batch
-                        run.rewind_failed(pos, exc)
         except Exception as exc:  # noqa: BLE001 - delivered to every request in the batch, logged
             log.exception("batch_failed", request_ids=[j.request_id for j in run.jobs])
             run.fail_all(exc)
@@ -416,201 +423,3 @@ class Scheduler:
             with self._lock:
                 self.stats.active_rows = 0
         self._run_now = None  # not on a BaseException: _die fails the run's jobs
-
-
-class _Run:
-    """The jobs and rows of one running batch, in the engine's row order."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self.slots: list[tuple[Job, int]] = []
-        self.jobs: list[Job] = []
-        self.live: dict[Job, int] = {}  # job -> live rows
-        self.started: dict[Job, float] = {}
-        # Jobs failed in the current step (a processor's bias, a row the engine reported):
-        # their rows are stepped once more, then dropped with the step's finished rows.
-        self.failing: dict[Job, BaseException] = {}
-        # Rows that take tokens back after the current step: (row position after the
-        # step's retain, tokens).
-        self._rewinds: list[tuple[int, int]] = []
-        # Rows started since the engine last said how much of their prompts it resumed
-        # (their prefill runs in the next step).
-        self.fresh_rows = False
-
-    def rewind_failed(self, pos: int, exc: BaseException) -> None:
-        """The engine could not rewind the row at ``pos``: its request fails (its rows
-        step once more, then leave the batch)."""
-        job, row = self.slots[pos]
-        self._row_failed(job, row, exc)
-
-    def rewinds(self) -> list[tuple[int, int]]:
-        """The rows to rewind after this step (positions after its retain), once."""
-        out, self._rewinds = self._rewinds, []
-        return out
-
-    def _stats(self) -> SchedulerStats:
-        return self.scheduler.stats
-
-    def start(self, job: Job) -> None:
-        self.fresh_rows = True
-        self.jobs.append(job)
-        self.slots.extend((job, i) for i in range(len(job.drivers)))
-        self.live[job] = len(job.drivers)
-        self.started[job] = time.perf_counter()
-        with self.scheduler._lock:
-            self._stats().running_jobs += 1
-            self._stats().active_rows = len(self.slots)
-
-    def _end(self, job: Job, event: JobEvent) -> None:
-        self.jobs.remove(job)
-        self.live.pop(job, None)
-        with self.scheduler._lock:
-            self._stats().running_jobs -= 1
-            if isinstance(event, JobFailed):
-                self._stats().failed_jobs += 1
-        seconds = round(time.perf_counter() - self.started.pop(job), 4)
-        log.debug("job_done", request_id=job.request_id, rows=len(job.drivers), outcome=type(event).__name__, seconds=seconds)
-        self.scheduler._clock.done()
-        _emit(job, event)
-
-    def cancelled_jobs(self) -> list[Job]:
-        return [job for job in self.jobs if job.cancelled.is_set()]
-
-    def drop(self, job: Job) -> list[int]:
-        """Cancel ``job``'s live rows; returns the positions of the rows that stay."""
-        keep = [p for p, (j, _) in enumerate(self.slots) if j is not job]
-        dropped = [(j, i) for j, i in self.slots if j is job]
-        for _, i in dropped:
-            job.drivers[i].cancel()
-        self.slots = [self.slots[p] for p in keep]
-        with self.scheduler._lock:
-            self._stats().cancelled_rows += len(dropped)
-            self._stats().active_rows = len(self.slots)
-        self._end(job, JobDone(cancelled=True))
-        return keep
-
-    def biases(self) -> tuple[list[Any], list[Any] | None]:
-        """Each row's logit bias for the next step, and each row's allowed tokens (None
-        when no row is constrained). A processor that raises fails its own job (its rows
-        step once more unbiased and unconstrained, and are then dropped)."""
-        out: list[Any] = []
-        allowed: list[Any] | None = None
-        for pos, (job, i) in enumerate(self.slots):
-            driver = job.drivers[i]
-            try:
-                out.append(driver.bias())
-                if driver.constrained:
-                    if Capability.STRUCTURED_OUTPUT not in job.engine.capabilities:
-                        raise FieldNotHonoured(
-                            "a token processor constrains this row, but this engine applies no token masks "
-                            "(it lacks the structured_output capability)"
-                        )
-                    mask = driver.allowed()
-                    if mask is not None:
-                        if allowed is None:
-                            allowed = [None] * len(self.slots)
-                        allowed[pos] = mask
-            except Exception as exc:  # noqa: BLE001 - this row's request fails, not the batch
-                self._row_failed(job, i, exc)
-                if len(out) <= pos:
-                    out.append(None)
-        return out, allowed
-
-    def resumed(self, counts: list[int]) -> None:
-        """After the step that prefilled new rows: how many prompt tokens each row's
-        prefill resumed (:class:`~millm_core.engine.PrefixReusing`), kept by rows that
-        have not heard it yet."""
-        self.fresh_rows = False
-        for (job, i), count in zip(self.slots, counts, strict=True):
-            driver = job.drivers[i]
-            if driver.cached_tokens is None:
-                driver.cached_tokens = count
-
-    def tapped(self) -> bool:
-        """Whether some row in the batch asked for taps (its vectors are read back)."""
-        return any(job.rows and job.rows[0].taps for job in self.jobs)
-
-    def read(self, readouts: list[Any]) -> None:
-        """Hand each tapped row the vectors this step read for it. A listener that raises
-        fails its own job (its rows are dropped after this step)."""
-        for (job, i), readout in zip(self.slots, readouts, strict=True):
-            if readout is None or job in self.failing:
-                continue
-            try:
-                job.drivers[i].read(readout)
-            except Exception as exc:  # noqa: BLE001 - this row's request fails, not the batch
-                self._row_failed(job, i, exc)
-
-    def _row_failed(self, job: Job, row: int, exc: BaseException) -> None:
-        if job not in self.failing:
-            log.error("row_failed", request_id=job.request_id, row=row, exc_info=exc)
-            self.failing[job] = row_error(exc)
-
-    def fail_rows(self, errors: dict[int, BaseException]) -> None:
-        """Rows at these positions failed in the engine's step (:class:`RowsFailed`)."""
-        for pos, exc in errors.items():
-            job, i = self.slots[pos]
-            if job not in self.failing:
-                log.error("row_failed", request_id=job.request_id, row=i, error=type(exc).__name__)
-                self.failing[job] = exc
-
-    def accept(self, tokens: list[int]) -> list[int]:
-        """Hand one step's tokens to the rows' drivers, emit each job's events, end the
-        jobs whose rows all finished and the jobs that failed; returns the positions of
-        the rows that go on."""
-        per_job: dict[Job, list[RowEvent]] = {}
-        keep: list[int] = []
-        finished = 0
-        failing = self.failing
-        for pos, ((job, i), token) in enumerate(zip(self.slots, tokens, strict=True)):
-            if failing and job in failing:
-                continue
-            try:
-                event = job.drivers[i].accept(token)
-            except Exception as exc:  # noqa: BLE001 - this row's request fails, not the batch
-                self._row_failed(job, i, exc)
-                continue
-            if event.rewind and Capability.REWIND not in job.engine.capabilities:
-                self._row_failed(job, i, FieldNotHonoured("a token processor takes tokens back, but this engine cannot rewind a row"))
-                continue
-            per_job.setdefault(job, []).append(event)
-            if event.finish_reason is None:
-                if event.rewind:
-                    self._rewinds.append((len(keep), event.rewind))
-                keep.append(pos)
-            else:
-                self.live[job] -= 1
-                finished += 1
-        if failing:  # rows of a job that failed at this step's later rows
-            if self._rewinds:
-                kept = {p for p in keep if self.slots[p][0] not in failing}
-                moved = {p: n for n, p in enumerate(sorted(kept))}
-                self._rewinds = [(moved[keep[at]], k) for at, k in self._rewinds if keep[at] in moved]
-            keep = [p for p in keep if self.slots[p][0] not in failing]
-        with self.scheduler._lock:
-            stats = self._stats()
-            stats.steps += 1
-            stats.generated_tokens += len(self.slots)
-            stats.completed_rows += finished
-            stats.active_rows = len(keep)
-        if failing:
-            self.failing = {}
-            for job, error in failing.items():
-                per_job.pop(job, None)
-                self._end(job, JobFailed(error))
-        for job in list(self.jobs):
-            if job in per_job:
-                _emit(job, StepEvents(per_job[job]))
-        self.slots = [self.slots[p] for p in keep]
-        for job in [j for j in self.jobs if self.live.get(j) == 0]:
-            self._end(job, JobDone(cancelled=False))
-        return keep
-
-    def fail_all(self, error: BaseException) -> None:
-        """Fail every job still in the batch with ``error``."""
-        jobs, self.jobs, self.slots, self.failing = self.jobs, [], [], {}
-        with self.scheduler._lock:
-            self._stats().failed_jobs += len(jobs)
-            self._stats().running_jobs -= len(jobs)
-        for job in jobs:
-            _emit(job, JobFailed(error))

@@ -330,18 +330,31 @@ class GGUFEngine:
         return out
 
     def step(self, batch: GGUFBatch, biases: Sequence[Mapping[int, float] | None], allowed: Sequence[Any] | None = None) -> list[int]:
-        by_seq = self._forward(batch.rows)
-        logits = [by_seq[row.seq] for row in batch.rows]
+        return self._draw(batch, 0, biases, allowed)
+
+    def first_tokens(
+        self, batch: GGUFBatch, biases: Sequence[Mapping[int, float] | None], allowed: Sequence[Any] | None = None
+    ) -> list[int]:
+        """The first tokens of the rows joined since the last step (the batch's last
+        ``len(biases)`` rows), drawn now (:class:`~millm_core.engine.EagerJoin`): their
+        prompts run in calls of their own, which is what each row computes alone."""
+        return self._draw(batch, len(batch.rows) - len(biases), biases, allowed)
+
+    def _draw(self, batch: GGUFBatch, first: int, biases: Sequence[Mapping[int, float] | None], allowed: Sequence[Any] | None) -> list[int]:
+        """Run and draw the next token of the rows from position ``first`` on (0: every row)."""
+        rows = batch.rows[first:]
+        by_seq = self._forward(rows)
         out: list[int] = []
         broken: dict[int, BaseException] = {}
-        masks: Sequence[Any] = allowed if allowed is not None else [None] * len(batch.rows)
-        for index, (row, row_logits, bias) in enumerate(zip(batch.rows, logits, biases, strict=True)):
+        masks: Sequence[Any] = allowed if allowed is not None else [None] * len(rows)
+        for index, (row, bias, mask) in enumerate(zip(rows, biases, masks, strict=True), start=first):
+            row_logits = by_seq[row.seq]
             row.n_past = len(row.tokens)
             if not np.isfinite(row_logits).all():  # this row fails alone
                 broken[index] = NonFiniteLogits(f"row {index}'s logits are not finite (NaN or inf) at this step")
                 token = 0
             else:
-                token = sample_row(row_logits, row.sampling, len(row.tokens), bias, masks[index])
+                token = sample_row(row_logits, row.sampling, len(row.tokens), bias, mask)
             row.tokens.append(token)
             out.append(token)
         if broken:

@@ -238,6 +238,40 @@ class TransformersEngine:
             logits = torch.cat([logits, sub.prefilled])
             sub.prefilled = None
             self._merge(batch, sub)
+        return self._draw(batch, logits, biases, allowed, 0)
+
+    @torch.inference_mode()
+    def first_tokens(self, batch: HFBatch, biases: Sequence[Mapping[int, float] | None], allowed: Sequence[Any] | None = None) -> list[int]:
+        """The first tokens of the rows joined since the last step, drawn now from the
+        logits their prefill in :meth:`join` left (:class:`~millm_core.engine.EagerJoin`);
+        the rows are merged into the batch and the next step feeds them these tokens."""
+        try:
+            return self._first_tokens(batch, biases, allowed)
+        except (torch.OutOfMemoryError, MemoryError) as exc:  # merging the joined caches allocates
+            raise OutOfMemory(f"the {self.device} device ran out of memory merging joined rows into the running batch; retry") from exc
+
+    def _first_tokens(self, batch: HFBatch, biases: Sequence[Mapping[int, float] | None], allowed: Sequence[Any] | None) -> list[int]:
+        if not batch.started:
+            raise RuntimeError("first_tokens before the batch's first step: its own prefill has not run")
+        joining, batch.joining = batch.joining, []
+        first = batch.size
+        if batch.taps is not None or any(sub.reads is not None for sub in joining):
+            # Only the joined prompts were read now; the running rows' last reads were handed over.
+            none: list[Readout | None] = [None] * first
+            batch.reads = none + [r for sub in joining for r in (sub.reads if sub.reads is not None else [None] * sub.size)]
+        parts = []
+        for sub in joining:
+            assert sub.prefilled is not None
+            parts.append(sub.prefilled)
+            sub.prefilled = None
+            self._merge(batch, sub)
+        return self._draw(batch, torch.cat(parts), biases, allowed, first)
+
+    def _draw(
+        self, batch: HFBatch, logits: torch.Tensor, biases: Sequence[Mapping[int, float] | None], allowed: Sequence[Any] | None, first: int
+    ) -> list[int]:
+        """Draw the next token of the rows from position ``first`` on (0: every row) from
+        their ``logits``; rows whose logits are not finite fail alone."""
         logits = logits.float()
         broken = _non_finite_rows(logits)
         if broken:  # those rows fail alone; the others are sampled as usual
@@ -247,14 +281,16 @@ class TransformersEngine:
         if allowed is not None:
             apply_masks(logits, allowed)
         assert batch.draw_pos is not None
-        tokens = sample(logits, batch.params, batch.draw_pos)
-        batch.last_tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        for drawn, token in zip(batch.drawn, tokens, strict=True):
-            drawn.append(token)
-        batch.draw_pos = [p + 1 for p in batch.draw_pos]
+        tokens = sample(logits, batch.params[first:], batch.draw_pos[first:])
+        drawn = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        batch.last_tokens = drawn if first == 0 or batch.last_tokens is None else torch.cat([batch.last_tokens, drawn])
+        for row, token in zip(batch.drawn[first:], tokens, strict=True):
+            row.append(token)
+        batch.draw_pos = batch.draw_pos[:first] + [p + 1 for p in batch.draw_pos[first:]]
         if broken:
             raise RowsFailed(
-                tokens, {row: NonFiniteLogits(f"row {row}'s logits are not finite (NaN or inf) at this step") for row in broken}
+                tokens,
+                {first + row: NonFiniteLogits(f"row {first + row}'s logits are not finite (NaN or inf) at this step") for row in broken},
             )
         return tokens
 

@@ -73,14 +73,30 @@ def drive(
     rewinds: Mapping[int, Sequence[tuple[int, int]]] | None = None,
     budget: Mapping[int, int] | None = None,
     orders: list[list[int]] | None = None,
+    eager: bool = False,
+    join_rewinds: Mapping[int, Sequence[tuple[int, int]]] | None = None,
 ) -> dict[int, list[int]]:
     """Step ``rows`` (ids 0..) as the scheduler does: ``joins[k]`` (one request's rows, the
-    next ids) join before step k; a row is retired (``retain``) once it has drawn
-    ``budget.get(id, steps)`` tokens; after step k, ``rewinds[k]`` takes back ``(id, n)``.
-    Returns each row's tokens; ``orders`` gets each step's row ids, in batch order."""
+    next ids) join before step k, and with ``eager`` draw their first token at once
+    (``first_tokens``) when k > 0; a row is retired (``retain``) once it has drawn
+    ``budget.get(id, steps)`` tokens; after step k, ``rewinds[k]`` takes back ``(id, n)``,
+    and ``join_rewinds[k]`` likewise right after the first tokens drawn at join k.
+    Returns each row's tokens; ``orders`` gets each draw's row ids, in batch order."""
     batch = engine.open_batch(rows)
     live = list(range(len(rows)))
     out: dict[int, list[int]] = {i: [] for i in live}
+
+    def drawn(ids: list[int], tokens: list[int]) -> None:
+        nonlocal live
+        if orders is not None:
+            orders.append(ids)
+        for i, token in zip(ids, tokens, strict=True):
+            out[i].append(token)
+        keep = [p for p, i in enumerate(live) if len(out[i]) < (budget or {}).get(i, steps)]
+        if len(keep) < len(live) and keep:
+            engine.retain(batch, keep)
+        live = [live[p] for p in keep]
+
     k = 0
     try:
         while live:
@@ -88,17 +104,16 @@ def drive(
             if for_step:
                 assert engine.can_join(for_step)
                 engine.join(batch, for_step)
-                for _ in for_step:
-                    live.append(len(out))
-                    out[len(out)] = []
-            if orders is not None:
-                orders.append(list(live))
-            for i, token in zip(live, engine.step(batch, [None] * len(live)), strict=True):
-                out[i].append(token)
-            keep = [p for p, i in enumerate(live) if len(out[i]) < (budget or {}).get(i, steps)]
-            if len(keep) < len(live) and keep:
-                engine.retain(batch, keep)
-            live = [live[p] for p in keep]
+                new = list(range(len(out), len(out) + len(for_step)))
+                for i in new:
+                    live.append(i)
+                    out[i] = []
+                if eager and k > 0:
+                    drawn(new, engine.first_tokens(batch, [None] * len(new)))
+                    for i, n in (join_rewinds or {}).get(k, ()):
+                        engine.rewind(batch, live.index(i), n)
+                        del out[i][-n:]
+            drawn(list(live), engine.step(batch, [None] * len(live)))
             for i, n in (rewinds or {}).get(k, ()):
                 engine.rewind(batch, live.index(i), n)
                 del out[i][-n:]
@@ -194,9 +209,11 @@ def test_several_joins_and_retirements_keep_every_row_exact(qwen2: Any) -> None:
     rows = [spec(qwen2, t) for t in TEXTS]
     pair = [spec(qwen2, "The weather today"), spec(qwen2, "1, 2, 3, 4, 5, 6, 7, 8,", SEEDED)]  # one request, two lengths
     budget = {0: 5, 1: STEPS, 2: 9, 3: STEPS, 4: 3, 5: STEPS, 6: 12}  # row 0, the longest prompt, leaves first
-    got = drive(qwen2, rows[:2], joins={2: [rows[2]], 3: pair, 6: [rows[3]], 7: [rows[4]]}, budget=budget)
     order = [*rows[:2], rows[2], *pair, rows[3], rows[4]]  # ids 0, 1, 2, 3-4 (the pair), 5, 6
-    assert got == {i: solo(qwen2, r, budget.get(i, STEPS)) for i, r in enumerate(order)}
+    expected = {i: solo(qwen2, r, budget.get(i, STEPS)) for i, r in enumerate(order)}
+    for eager in (False, True):  # joined rows' first tokens drawn with the next step, or at once
+        got = drive(qwen2, rows[:2], joins={2: [rows[2]], 3: pair, 6: [rows[3]], 7: [rows[4]]}, budget=budget, eager=eager)
+        assert got == expected, f"eager={eager}"
 
 
 def test_identical_rows_joining_at_different_steps_get_identical_tokens(qwen2: Any) -> None:
@@ -222,8 +239,12 @@ def test_rewinds_of_joined_and_running_rows_stay_exact(qwen2: Any) -> None:
     """A joined row taken back partway, a running row taken back to its prompt: each goes on
     as if the tokens had never been drawn (greedy: it draws them again)."""
     a, b = spec(qwen2, TEXTS[0]), spec(qwen2, TEXTS[2])
-    got = drive(qwen2, [a], joins={2: [b]}, rewinds={4: [(0, 5)], 6: [(1, 3)]})
-    assert got == {0: solo(qwen2, a), 1: solo(qwen2, b)}
+    expected = {0: solo(qwen2, a), 1: solo(qwen2, b)}
+    assert drive(qwen2, [a], joins={2: [b]}, rewinds={4: [(0, 5)], 6: [(1, 3)]}) == expected
+    # Drawn at join: the joined row taken back to its prompt right after its first token
+    # (before any step), and to its prompt again two steps later; the running row partway.
+    got = drive(qwen2, [a], joins={2: [b]}, join_rewinds={2: [(1, 1)]}, rewinds={3: [(1, 2)], 6: [(0, 4)]}, eager=True)
+    assert got == expected
 
 
 @pytest.fixture(scope="session")
@@ -252,18 +273,20 @@ def sampled_logits(engine: Any, monkeypatch: pytest.MonkeyPatch, rows: Sequence[
     return {i: [logits for logits in out[i]][-len(tokens[i]) :] if tokens[i] else [] for i in out}
 
 
-def test_bfloat16_rows_keep_their_solo_logits_bit_for_bit(qwen2_bf16: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("eager", [False, True], ids=["drawn-with-the-step", "drawn-at-join"])
+def test_bfloat16_rows_keep_their_solo_logits_bit_for_bit(qwen2_bf16: Any, monkeypatch: pytest.MonkeyPatch, eager: bool) -> None:
     """In bfloat16, rows of different lengths — one request's pair, rows joining a running
-    batch, retirements — are sampled from exactly the logits they get alone: every row
-    attends over its own cache columns (millm_engines.transformers.rows), and is prefilled
-    on its own."""
+    batch (their first token drawn with the next step, or at once), retirements — are
+    sampled from exactly the logits they get alone: every row attends over its own cache
+    columns (millm_engines.transformers.rows), and is prefilled on its own."""
     engine = qwen2_bf16
     assert engine.fast is None and engine.rows_refusal is None and engine.batch_invariant
     assert backend_of(engine) == "batched"
     rows = [spec(engine, t) for t in TEXTS]
     pair = [spec(engine, "The weather today"), spec(engine, "1, 2, 3, 4, 5, 6, 7, 8,", SEEDED)]  # one request, two lengths
     budget = {0: 5, 2: 9, 4: 3, 6: 12}
-    got = sampled_logits(engine, monkeypatch, rows[:2], joins={2: [rows[2]], 3: pair, 6: [rows[3]], 7: [rows[4]]}, budget=budget)
+    joins = {2: [rows[2]], 3: pair, 6: [rows[3]], 7: [rows[4]]}
+    got = sampled_logits(engine, monkeypatch, rows[:2], joins=joins, budget=budget, eager=eager)
     order = [*rows[:2], rows[2], *pair, rows[3], rows[4]]
     for i, row in enumerate(order):
         alone = sampled_logits(engine, monkeypatch, [row], steps=budget.get(i, STEPS))[0]

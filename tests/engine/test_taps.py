@@ -50,24 +50,35 @@ class Recorder:
         return stacked
 
 
-def run(engine: Any, rows: list[RowSpec], steps: int = STEPS, joins: dict[int, list[RowSpec]] | None = None) -> Recorder:
+def run(
+    engine: Any, rows: list[RowSpec], steps: int = STEPS, joins: dict[int, list[RowSpec]] | None = None, eager: bool = False
+) -> Recorder:
     """Step ``rows`` (and ``joins[k]`` joined before step k) for ``steps`` steps; rows are
-    never retired, so row positions stay stable."""
+    never retired, so row positions stay stable. With ``eager``, joined rows draw their
+    first token at once (``first_tokens``), as the scheduler has them do."""
     rec = Recorder()
     rec.add_rows(len(rows))
     batch = engine.open_batch(rows)
     live = list(rows)
+
+    def record(tokens: list[int], first: int = 0) -> None:
+        readouts = engine.readouts(batch)
+        assert len(readouts) == len(live)
+        assert all(r is None for r in readouts[:first]), "rows that drew nothing were handed readouts"
+        for i, (tok, readout) in enumerate(zip(tokens, readouts[first:], strict=True), start=first):
+            rec.tokens[i].append(tok)
+            if readout is not None:
+                rec.reads[i].append(readout)
+
     for k in range(steps):
         joining = (joins or {}).get(k, [])
         if joining:
             engine.join(batch, joining)
             live += joining
             rec.add_rows(len(joining))
-        tokens = engine.step(batch, [None] * len(live))
-        for i, (tok, readout) in enumerate(zip(tokens, engine.readouts(batch), strict=True)):
-            rec.tokens[i].append(tok)
-            if readout is not None:
-                rec.reads[i].append(readout)
+            if eager and k > 0:
+                record(engine.first_tokens(batch, [None] * len(joining)), len(live) - len(joining))
+        record(engine.step(batch, [None] * len(live)))
     engine.close(batch)
     return rec
 
@@ -168,10 +179,12 @@ def test_rows_joining_mid_batch_read_their_prompt_then_their_steps(fast_engine) 
         taps=(Tap(1, PRE), Tap(0, POST)),
     )
     plain = RowSpec(prompt_ids=tuple(engine.encode("hello", add_special_tokens=True)), sampling=GREEDY)
-    rec = run(engine, [first], steps=STEPS + 3, joins={2: [plain, joiner]})
-    check_row(engine, rec, 0, first)
-    check_row(engine, rec, 2, joiner)
-    assert rec.reads[1] == []
+    for eager in (False, True):  # joined rows drawn with the next step, or at once
+        rec = run(engine, [first], steps=STEPS + 3, joins={2: [plain, joiner]}, eager=eager)
+        check_row(engine, rec, 0, first)
+        check_row(engine, rec, 2, joiner)
+        assert rec.reads[1] == []
+        assert len(rec.tokens[2]) == STEPS + 1 + eager
 
 
 def test_a_tap_outside_the_model_is_refused(engine) -> None:  # type: ignore[no-untyped-def]

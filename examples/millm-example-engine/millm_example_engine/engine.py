@@ -165,7 +165,8 @@ class BigramBatch:
 
 class BigramEngine:
     """A loaded bigram model. It keeps no state between steps beyond each row's tokens,
-    so rows of other requests can join a running batch (it is ``Joinable``)."""
+    so rows of other requests can join a running batch (it is ``Joinable``, and
+    ``EagerJoin``: a joined row draws its first token as soon as it joins)."""
 
     capabilities: frozenset[Capability] = CAPABILITIES
     eos_token_ids: frozenset[int] = frozenset({EOS})
@@ -211,8 +212,17 @@ class BigramEngine:
         self._live += len(rows)
 
     def step(self, batch: BigramBatch, biases: Sequence[Mapping[int, float] | None]) -> list[int]:
+        return self._draw(batch.rows, biases)
+
+    def first_tokens(self, batch: BigramBatch, biases: Sequence[Mapping[int, float] | None]) -> list[int]:
+        """``EagerJoin``: the first tokens of the rows that just joined (the batch's last
+        ``len(biases)`` rows), drawn at once instead of with the next step. A bigram has no
+        prefill to wait for, so this only shows the protocol's shape."""
+        return self._draw(batch.rows[len(batch.rows) - len(biases) :], biases)
+
+    def _draw(self, rows: Sequence[_Row], biases: Sequence[Mapping[int, float] | None]) -> list[int]:
         out: list[int] = []
-        for row, bias in zip(batch.rows, biases, strict=True):
+        for row, bias in zip(rows, biases, strict=True):
             logits = self.next_logits(row.tokens[-1] if row.tokens else EOS)
             for token, value in (bias or {}).items():
                 if 0 <= token < VOCAB:

@@ -1,0 +1,186 @@
+"""The scheduler's side of :class:`~millm_core.engine.EagerJoin`, on a fake joinable engine
+(no model; the engines' side is in the conformance suite): a job joining a running batch
+gets its first token before the batch's next step, with its own biases only, and what
+happens at that draw (a finished row, a failed row, a processor that raises) happens to
+that job alone."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from millm_core.engine import EagerJoin, RowSpec
+from millm_core.errors import MillmError
+from millm_core.scheduler import JobDone, JobEvent, JobFailed, RowsFailed, Scheduler, StepEvents
+
+from .test_faults_scheduler import ROW_FAILS, FakeBatch, FakeEngine, Raises, Sink, job, solo
+
+
+class Recording(FakeEngine):
+    """:class:`FakeEngine` that records the step count at each join."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        super().__init__(delay)
+        self.joined_at: list[int] = []
+
+    def join(self, batch: FakeBatch, rows: Sequence[RowSpec]) -> None:
+        self.joined_at.append(self.steps)
+        super().join(batch, rows)
+
+
+class EagerFake(Recording):
+    """:class:`Recording` that also draws joined rows' first tokens at once, recording each
+    call's first row position, its row count and the biases it was given."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        super().__init__(delay)
+        self.first_calls: list[tuple[int, int]] = []  # (first position, rows)
+        self.biases_seen: list[list[Any]] = []
+        self.retained: list[tuple[int, list[int]]] = []  # (first_tokens calls so far, keep)
+
+    def retain(self, batch: FakeBatch, keep: Sequence[int]) -> None:
+        self.retained.append((len(self.first_calls), list(keep)))
+        super().retain(batch, keep)
+
+    def first_tokens(self, batch: FakeBatch, biases: Sequence[Mapping[int, float] | None]) -> list[int]:
+        first = batch.size - len(biases)
+        self.first_calls.append((first, len(biases)))
+        self.biases_seen.append(list(biases))
+        tokens = [(sum(row) * 7 + len(row)) % 89 + 10 for row in batch.rows[first:]]
+        errors: dict[int, BaseException] = {
+            first + at: MillmError("non-finite logits", code="non_finite") for at, row in enumerate(batch.rows[first:]) if row[0] == ROW_FAILS
+        }
+        for row, token in zip(batch.rows[first:], tokens, strict=True):
+            row.append(token)
+        if errors:
+            raise RowsFailed(tokens, errors)
+        return tokens
+
+
+class StepsAtFirstEvent(Sink):
+    """A sink that notes the engine's step count when the job's first tokens arrive."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        super().__init__()
+        self.engine = engine
+        self.steps_at_first: int | None = None
+
+    def __call__(self, event: JobEvent) -> None:
+        if isinstance(event, StepEvents) and self.steps_at_first is None:
+            self.steps_at_first = self.engine.steps
+        super().__call__(event)
+
+
+def running_then_join(sched: Scheduler, engine: FakeEngine, late: Any, **kwargs: Any) -> tuple[Sink, StepsAtFirstEvent, int]:
+    """Start a long job, wait until it has stepped twice, then submit ``late`` (a job()
+    tuple whose sink is replaced); returns the running job's sink, the late job's sink and
+    the step count when it was submitted."""
+    running, running_sink = job(engine, seed=1, tokens=40)
+    sched.submit(running)
+    while engine.steps < 2:
+        threading.Event().wait(0.002)
+    late_job, _ = late
+    sink = StepsAtFirstEvent(engine)
+    late_job.emit = sink
+    submitted = engine.steps
+    sched.submit(late_job)
+    return running_sink, sink, submitted
+
+
+@pytest.fixture
+def scheduler() -> Any:
+    sched = Scheduler(max_queue=64)
+    yield sched
+    sched.shutdown()
+
+
+def test_the_fake_is_eager_and_the_plain_one_is_not() -> None:
+    assert isinstance(EagerFake(), EagerJoin) and not isinstance(FakeEngine(), EagerJoin)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "plain"])
+def test_a_joining_job_gets_its_first_token_before_the_next_step(scheduler: Scheduler, eager: bool) -> None:
+    """With EagerJoin the joined job's first event comes with no step of the batch between
+    its join and its first token; without it (the control), one step later. Either way its
+    text and the running job's equal their solo runs."""
+    expected = {seed: solo(FakeEngine(), seed, tokens=tokens) for seed, tokens in ((1, 40), (2, 6))}
+    engine = EagerFake(delay=0.02) if eager else Recording(delay=0.02)
+    running_sink, sink, _ = running_then_join(scheduler, engine, job(engine, seed=2))
+    assert sink.end() == JobDone(cancelled=False) and running_sink.end() == JobDone(cancelled=False)
+    assert sink.texts(1) == expected[2] and running_sink.texts(1) == expected[1]
+    joined_at = engine.joined_at[-1]  # [open_batch's join, the late job's]
+    assert len(engine.joined_at) == 2 and joined_at >= 2
+    assert sink.steps_at_first == (joined_at if eager else joined_at + 1)
+    if eager:
+        assert isinstance(engine, EagerFake) and engine.first_calls == [(1, 1)]  # the joined row, after the running one
+    stats = scheduler.snapshot()
+    assert stats.generated_tokens == 46 and stats.steps == 40
+
+
+def test_first_tokens_runs_only_between_steps_of_a_started_batch(scheduler: Scheduler) -> None:
+    """Jobs queued before a batch's first step go with that step: first_tokens is called
+    only for rows joining a batch that has stepped."""
+    from .test_faults_scheduler import run_together
+
+    engine = EagerFake()
+    jobs = [job(engine, seed=s) for s in (1, 2, 3)]
+    run_together(scheduler, engine, jobs)
+    assert engine.first_calls == []
+
+
+def test_a_joined_row_whose_budget_is_one_token_ends_at_its_first_draw(scheduler: Scheduler) -> None:
+    engine = EagerFake(delay=0.01)
+    expected = solo(FakeEngine(), 1, tokens=40)
+    running_sink, sink, _ = running_then_join(scheduler, engine, job(engine, seed=2, tokens=1))
+    assert sink.end() == JobDone(cancelled=False)
+    assert len(sink.texts(1)[0]) > 0 and sink.steps_at_first == engine.joined_at[-1]
+    assert running_sink.end() == JobDone(cancelled=False) and running_sink.texts(1) == expected
+    assert engine.first_calls == [(1, 1)]
+    # Retained away right after that draw, before any step: the next retain is the running
+    # row's own end (the batch closes without one).
+    assert engine.retained[0] == (1, [0]) and sink.steps_at_first == engine.joined_at[-1]
+
+
+def test_a_row_that_fails_at_its_first_draw_fails_its_job_only(scheduler: Scheduler) -> None:
+    engine = EagerFake(delay=0.01)
+    expected = solo(FakeEngine(), 1, tokens=40)
+    running_sink, sink, _ = running_then_join(scheduler, engine, job(engine, ROW_FAILS, seed=2))
+    failed = sink.end()
+    assert isinstance(failed, JobFailed) and isinstance(failed.error, MillmError) and failed.error.code == "non_finite"
+    # It failed at first_tokens (keyed by its batch position, 1): no token ever reached it.
+    assert engine.first_calls == [(1, 1)] and not any(isinstance(e, StepEvents) for e in sink.events)
+    assert running_sink.end() == JobDone(cancelled=False) and running_sink.texts(1) == expected
+
+
+def test_a_processor_that_raises_at_the_first_draw_fails_its_job_only(scheduler: Scheduler) -> None:
+    engine = EagerFake(delay=0.01)
+    expected = solo(FakeEngine(), 1, tokens=40)
+    bad = job(engine, seed=2, processors=lambda: [Raises(0, ValueError("processor bug"), in_bias=True)])
+    running_sink, sink, _ = running_then_join(scheduler, engine, bad)
+    assert isinstance(sink.end(), JobFailed)
+    assert running_sink.end() == JobDone(cancelled=False) and running_sink.texts(1) == expected
+    assert engine.biases_seen and all(len(b) == 1 for b in engine.biases_seen)  # the joined row's only
+
+
+def test_jobs_joining_at_once_draw_each_row_once_after_the_running_rows(scheduler: Scheduler) -> None:
+    """Two jobs submitted together (joining between the same two steps or two in a row):
+    each of their three rows is drawn once by first_tokens, at positions after the running
+    row, and every job keeps its solo text."""
+    engine = EagerFake(delay=0.02)
+    expected = {seed: solo(FakeEngine(), seed, rows=rows, tokens=tokens) for seed, rows, tokens in ((1, 1, 40), (2, 2, 6), (3, 1, 6))}
+    running, running_sink = job(engine, seed=1, tokens=40)
+    scheduler.submit(running)
+    while engine.steps < 2:
+        threading.Event().wait(0.002)
+    # Queue both while the worker is inside a step, so that they join between the same two steps.
+    a, a_sink = job(engine, seed=2, rows=2)
+    b, b_sink = job(engine, seed=3)
+    scheduler.submit(a)
+    scheduler.submit(b)
+    for sink, seed, rows in ((a_sink, 2, 2), (b_sink, 3, 1), (running_sink, 1, 1)):
+        assert sink.end() == JobDone(cancelled=False) and sink.texts(rows) == expected[seed]
+    assert sum(n for _, n in engine.first_calls) == 3
+    assert all(first >= 1 for first, _ in engine.first_calls)
