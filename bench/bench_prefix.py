@@ -6,7 +6,7 @@ from the prefix-reuse issue: >= 5x faster with reuse at 1,000 tokens). Each samp
 reports ``usage.prompt_tokens_details.cached_tokens``; the fastest sample of each kind is
 compared too (a shared machine's bursts can slow single samples several times over).
 
-Usage: python bench/bench_prefix.py [--model smollm2|bench] [--prefix-tokens 1000] [--samples 5] [--dtype auto]
+Usage: python bench/bench_prefix.py [--model smollm2|bench] [--prefix-tokens 1000] [--samples 5] [--dtype auto] [--generic]
 """
 
 from __future__ import annotations
@@ -79,10 +79,13 @@ def main() -> None:
     parser.add_argument("--prefix-tokens", type=int, default=1000)
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--generic", action="store_true", help="the generic HF forward (--fast-decode false)")
     args = parser.parse_args()
     configure_logging("console", "warning")
     settings = load_settings(
-        {"log_level": "warning", "db": ":memory:", "dtype": args.dtype}, environ={}, plugin_settings=[FAST_DECODE, PREFIX_CACHE_MB]
+        {"log_level": "warning", "db": ":memory:", "dtype": args.dtype, "fast_decode": not args.generic},
+        environ={},
+        plugin_settings=[FAST_DECODE, PREFIX_CACHE_MB],
     )
     path = smollm2_dir() if args.model == "smollm2" else bench_model_dir()
     loaded: dict[str, Any] = {}
@@ -97,7 +100,7 @@ def main() -> None:
     with RunningServer(app) as server:
         wait_loaded(app)
         engine = loaded["engine"]
-        assert engine.prefix is not None, "the prefix cache is off (--prefix-cache-mb 0, or no lean decode step for this model)"
+        assert engine.prefix is not None, "the prefix cache is off (--prefix-cache-mb 0, or a model whose rows do not join batches)"
         text = long_text(engine, args.prefix_tokens)
         ttft(server.base_url, "Warm-up.", "Hello.")
         ttft(server.base_url, text, "Cache this prefix.")
@@ -112,7 +115,7 @@ def main() -> None:
             reused.append(seconds)
             cached["reused"].append(count)
     report: dict[str, Any] = {
-        "model": f"{args.model} ({engine.info.dtype})",
+        "model": f"{args.model} ({engine.info.dtype}{', generic forward' if args.generic else ''})",
         "prefix_tokens": args.prefix_tokens,
         "p50_ttft_s": {"fresh_prefix": statistics.median(fresh), "reused_prefix": statistics.median(reused)},
         "speedup": statistics.median(fresh) / statistics.median(reused),

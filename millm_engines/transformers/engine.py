@@ -108,9 +108,6 @@ class TransformersEngine:
     ) -> None:
         self.model = model
         self.fast = fast
-        # Prompts' KV blocks for prefix reuse: only on the lean decode step, whose prefill
-        # runs each row alone in fixed chunks (see .prefix).
-        self.prefix = prefix if fast is not None else None
         self._fp32 = Float32Copies()
         self.tokenizer = tokenizer
         self.info = info
@@ -125,6 +122,10 @@ class TransformersEngine:
         cannot = None if fast is not None else refusal(model.config)
         # Whether rows of other requests can join a running batch (None: they can).
         self.join_refusal: str | None = None if fast is not None else join_refusal(model)
+        # Prompts' KV blocks for prefix reuse, wherever each row is prefilled alone in fixed
+        # chunks (see .prefix): the lean decode step, and the generic forward of a model
+        # whose cache can be merged (a serial model prefills a request's rows together).
+        self.prefix = prefix if self.join_refusal is None else None
         # On the generic forward, why a row cannot attend over its own columns alone (None:
         # it does, see .rows); the lean decode step always does.
         self.rows_refusal: str | None = None if fast is not None else install_rows_attention(model)
@@ -395,17 +396,15 @@ class TransformersEngine:
         """The prompts' forward pass. Each row is prefilled on its own and the caches
         merged: a row's prefill then never depends on the other rows (no padding, the same
         matrix shapes as alone), which low-precision kernels would otherwise show in its
-        tokens. On the lean decode step a row's prefill runs in chunks and may resume from
-        the prefix cache; on the generic HF forward it is one forward pass."""
+        tokens. A row's prefill runs in chunks and may resume from the prefix cache."""
         if self.fast is None and self.join_refusal is not None:
             # A cache that cannot be merged (sliding windows, recurrent state): the
             # request's rows run padded together, as its only batch.
             return self._prefill_forward(batch)
-        one = self._prefill_row if self.fast is not None else self._prefill_forward
         if batch.size == 1:
-            return one(batch)
+            return self._prefill_row(batch)
         parts = [self._row_batch(batch, r) for r in range(batch.size)]
-        logits = torch.cat([one(part) for part in parts])
+        logits = torch.cat([self._prefill_row(part) for part in parts])
         batch.resumed = [part.resumed[0] for part in parts]
         merged = parts[0]
         for part in parts[1:]:
@@ -425,10 +424,11 @@ class TransformersEngine:
         return part
 
     def _prefill_row(self, part: HFBatch) -> torch.Tensor:
-        """One row's prefill on the lean decode step, in chunks ending at the multiples of
-        ``prefix.CHUNK``, resumed from the longest prefix the prefix cache holds for the
-        row (not for a tapped row: its readouts cover every prompt position); the row's
-        whole chunks then go into the cache. See :mod:`.prefix` for why this is exact."""
+        """One row's prefill, in chunks ending at the multiples of ``prefix.CHUNK``, resumed
+        from the longest prefix the prefix cache holds for the row (not for a tapped row:
+        its readouts cover every prompt position); the row's whole chunks then go into the
+        cache. See :mod:`.prefix` for why this is exact. The lean decode step takes the
+        keys and values over into its own cache; the generic HF forward keeps HF's."""
         prompt = part.prompts[0]
         cache = DynamicCache(config=self.model.config)
         deltas = {layer: delta[0] for layer, delta in part.deltas.items()} if part.deltas else None
@@ -444,7 +444,10 @@ class TransformersEngine:
         if self.prefix is not None:
             layers: list[Any] = list(cache.layers)
             self.prefix.store(root, prompt, [layer.keys for layer in layers], [layer.values for layer in layers])
-        part.kv = KVCache.from_hf(cache)
+        if self.fast is not None:
+            part.kv = KVCache.from_hf(cache)
+        else:
+            part.cache = cache
         part.mask = None
         part.next_pos = torch.tensor([len(prompt)], dtype=torch.long, device=self.device)
         part.draw_pos = [len(prompt)]
@@ -458,7 +461,8 @@ class TransformersEngine:
 
     def _prefill_forward(self, batch: HFBatch) -> torch.Tensor:
         """The prompts' prefill as one generic HF forward pass, rows left-padded to the
-        longest (one row at a time where caches can be merged, see :meth:`_prefill`)."""
+        longest: a serial model's request (where caches can be merged, each row is
+        prefilled alone, see :meth:`_prefill`)."""
         lengths = [len(p) for p in batch.prompts]
         width = max(lengths)
         ids = torch.full((len(lengths), width), self._pad_id, dtype=torch.long)

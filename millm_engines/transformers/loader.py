@@ -106,8 +106,8 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
     prefix = None
     if reason is None:
         fast = LlamaDecoder(model)
-        if PREFIX_CACHE_MB.get(settings) > 0:  # the cache belongs to this model in this dtype
-            prefix = PrefixCache(PREFIX_CACHE_MB.get(settings) * 2**20, f"{info.served_name}@{info.revision}:{info.dtype}")
+    if PREFIX_CACHE_MB.get(settings) > 0:  # the cache belongs to this model in this dtype (the engine drops it where unusable)
+        prefix = PrefixCache(PREFIX_CACHE_MB.get(settings) * 2**20, f"{info.served_name}@{info.revision}:{info.dtype}")
     engine = TransformersEngine(model, tokenizer, info, _eos_ids(tokenizer, path), fast=fast, prefix=prefix)
     log.info(
         "model_loaded",
@@ -121,7 +121,7 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
         batching_refusal=engine.join_refusal,
         batch_invariant=engine.batch_invariant,
         rows_attention_refusal=engine.rows_refusal,
-        prefix_cache_mb=PREFIX_CACHE_MB.get(settings) if prefix is not None else 0,
+        prefix_cache_mb=PREFIX_CACHE_MB.get(settings) if engine.prefix is not None else 0,
     )
     engine.generation_defaults = stated_sampling(path)
     if settings.batch_invariant and not engine.batch_invariant:

@@ -1,5 +1,5 @@
-"""Prefix reuse on the lean decode step: the KV state of finished prefills, kept in a
-bounded cache, so that a prompt sharing a prefix with an earlier one starts its prefill
+"""Prefix reuse on the transformers engine (the lean decode step, and the generic HF forward
+of models whose rows join batches): the KV state of finished prefills, kept in a bounded cache, so that a prompt sharing a prefix with an earlier one starts its prefill
 from that prefix instead of from its first token.
 
 Exactness. A row's tokens must not depend on whether its prefill resumed, but a resumed
@@ -65,6 +65,7 @@ def prefill_chunks(
     prompt. ``hooks(captured)`` wraps each forward pass (steering, taps). Returns the last
     position's logits ``[1, vocab]`` and what each chunk's taps captured."""
     device = next(model.parameters()).device
+    body = getattr(model, "model", None)  # the decoder without the LM head, where the class names it so
     captured: list[Captured] = []
     logits: torch.Tensor | None = None
     for a, b in chunks(start, len(prompt)):
@@ -72,9 +73,9 @@ def prefill_chunks(
         ids = torch.tensor([list(prompt[a:b])], dtype=torch.long, device=device)
         positions = torch.arange(a, b, device=device)[None]
         with hooks(captured[-1]):
-            if b < len(prompt):  # an inner chunk: its keys and values, no logits
-                model.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
-            else:
+            if b < len(prompt) and body is not None:  # an inner chunk: its keys and values, no logits
+                body(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+            else:  # the last chunk (or any, without a named decoder): the last position's logits
                 logits = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
     if logits is None:
         raise ValueError(f"nothing left to prefill: {start} of the prompt's {len(prompt)} tokens were resumed")

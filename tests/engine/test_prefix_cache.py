@@ -1,4 +1,5 @@
-"""Prefix reuse on the transformers engine's lean decode step, in float32 and bfloat16.
+"""Prefix reuse on the transformers engine — its lean decode step and its generic HF forward
+— in float32 and bfloat16.
 
 A row whose prompt shares a prefix with an earlier one resumes its prefill from the cached
 keys and values of that prefix's whole chunks. It must compute exactly what a full prefill
@@ -37,10 +38,12 @@ STEPS = 12
 STEER_LAYER = 0  # the keys and values of the layers after it depend on its delta
 
 
-def _load(path: str, dtype: str, mb: int) -> Any:
-    settings = load_settings({"dtype": dtype, "prefix_cache_mb": mb}, environ={}, plugin_settings=[FAST_DECODE, PREFIX_CACHE_MB])
+def _load(path: str, dtype: str, mb: int, fast: bool = True) -> Any:
+    settings = load_settings(
+        {"dtype": dtype, "prefix_cache_mb": mb, "fast_decode": fast}, environ={}, plugin_settings=[FAST_DECODE, PREFIX_CACHE_MB]
+    )
     engine = load_engine(ModelLocation(path=path, served_name="t"), settings)
-    assert engine.fast is not None and engine.info.dtype == dtype
+    assert (engine.fast is not None) == fast and engine.info.dtype == dtype
     assert (engine.prefix is not None) == (mb > 0)
     return engine
 
@@ -51,10 +54,16 @@ def long_dir() -> str:
     return tiny_model_dir(context=2048)
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(
+    scope="module",
+    params=[("float32", True), ("bfloat16", True), ("float32", False), ("bfloat16", False)],
+    ids=["float32", "bfloat16", "float32-generic", "bfloat16-generic"],
+)
 def pair(request: pytest.FixtureRequest, long_dir: str) -> tuple[Any, Any]:
-    """(an engine with the prefix cache, the same model and dtype without it)."""
-    return _load(long_dir, request.param, 256), _load(long_dir, request.param, 0)
+    """(an engine with the prefix cache, the same model and dtype without it), on the lean
+    decode step or on the generic HF forward (``--fast-decode false``)."""
+    dtype, fast = request.param
+    return _load(long_dir, dtype, 256, fast), _load(long_dir, dtype, 0, fast)
 
 
 @pytest.fixture
@@ -137,6 +146,17 @@ def test_a_resumed_prefill_computes_exactly_what_a_full_one_does(on: Any, off: A
     reference = solo(off, row(first, sampling))
     assert same(cold, reference) and same(again, reference)
     assert same(warm, solo(off, row(second, sampling)))
+
+
+def test_a_prefill_resumed_early_runs_its_remaining_chunks_as_a_full_one_does(on: Any, off: Any) -> None:
+    """One cached chunk under a 500-token prompt: the remaining 372 positions run in the
+    same three chunks as in a full prefill (one pass over them would differ in float32,
+    see below), so the first logits and tokens are the full prefill's."""
+    solo(on, row(system(on, 200)))  # caches the first chunk only
+    long = system(on, 500)
+    warm = solo(on, row(long))
+    assert warm["resumed"] == CHUNK and len(list(chunks(CHUNK, len(long)))) == 3
+    assert same(warm, solo(off, row(long)))
 
 
 def test_bitwise_comparisons_here_can_fail(long_dir: str) -> None:
