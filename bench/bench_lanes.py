@@ -7,7 +7,10 @@ has run. The loaded phase runs ``--rounds`` times in each mode, alternating: wit
 eager first token, and without it (the scheduler then draws it with the batch's next step),
 so the report gives what the eager first token saves in the same run.
 
-Usage: python bench/bench_lanes.py [--agents 8] [--samples 7] [--rounds 2]
+Usage: python bench/bench_lanes.py [--agents 8] [--samples 7] [--rounds 2] [--engine transformers|gguf]
+
+``--engine gguf`` serves the packaged SmolLM2 Q4_1 GGUF instead of the 22M bench model, with
+``2 × --agents`` sequences.
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ from millm_engines.transformers.loader import load_engine  # noqa: E402
 MESSAGES = [{"role": "user", "content": "Say something about the sea."}]
 
 
-def ttft(base_url: str) -> float:
+def ttft(base_url: str, model: str = "bench") -> float:
     """Seconds from sending a streamed interactive chat to its first content chunk."""
-    body = {"model": "bench", "messages": MESSAGES, "max_tokens": 4, "stream": True, "temperature": 0}
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 4, "stream": True, "temperature": 0}
     started = time.perf_counter()
     with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=600) as resp:
         for line in resp.iter_lines():
@@ -49,8 +52,8 @@ def ttft(base_url: str) -> float:
     raise RuntimeError("no content chunk")
 
 
-def agent(base_url: str, stop: threading.Event) -> None:
-    body = {"model": "bench@agent", "prompt": "Write about the sea.", "max_tokens": 256, "temperature": 0}
+def agent(base_url: str, stop: threading.Event, model: str = "bench") -> None:
+    body = {"model": f"{model}@agent", "prompt": "Write about the sea.", "max_tokens": 256, "temperature": 0}
     while not stop.is_set():
         httpx.post(base_url + "/v1/completions", json=body, timeout=600)
 
@@ -62,17 +65,17 @@ class _NeverEager(Protocol):
     def _bench_never_defined(self) -> None: ...
 
 
-def loaded_phase(base_url: str, agents: int, samples: int) -> list[float]:
+def loaded_phase(base_url: str, agents: int, samples: int, model: str) -> list[float]:
     """TTFT samples while ``agents`` agent streams generate; the agents are stopped (and
     their batch drained) before it returns."""
     stop = threading.Event()
-    threads = [threading.Thread(target=agent, args=(base_url, stop)) for _ in range(agents)]
+    threads = [threading.Thread(target=agent, args=(base_url, stop, model)) for _ in range(agents)]
     for thread in threads:
         thread.start()
     time.sleep(2.0)  # the agents are generating
     out = []
     for _ in range(samples):
-        out.append(ttft(base_url))
+        out.append(ttft(base_url, model))
         time.sleep(0.2)
     stop.set()
     for thread in threads:
@@ -85,31 +88,51 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=8)
     parser.add_argument("--samples", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--engine", choices=["transformers", "gguf"], default="transformers")
     args = parser.parse_args()
-    settings = load_settings({"log_level": "warning", "db": ":memory:"}, environ={})
+    if args.engine == "gguf":
+        from millm_engines.gguf.loader import load_engine as load_gguf
+        from millm_engines.gguf.plugin import PARALLEL
+        from millm_plugins.smollm2.convert import packaged_gguf
+
+        # Room for the interactive request beside the agents (a request that finds every
+        # sequence taken waits for one to finish, whatever its lane).
+        settings = load_settings(
+            {"log_level": "warning", "db": ":memory:", "gguf_parallel": 2 * args.agents}, environ={}, plugin_settings=[PARALLEL]
+        )
+        load: Any = lambda: load_gguf(ModelLocation(path=packaged_gguf(), served_name="bench"), settings)  # noqa: E731
+        name = "SmolLM2-135M-Instruct Q4_1 (GGUF)"
+    else:
+        settings = load_settings({"log_level": "warning", "db": ":memory:"}, environ={})
+        load = lambda: load_engine(ModelLocation(path=bench_model_dir(), served_name="bench"), settings)  # noqa: E731
+        name = "bench (22M, float32)"
+
+    served: list[str] = []
 
     def loader() -> ServedModel:
-        engine = load_engine(ModelLocation(path=bench_model_dir(), served_name="bench"), settings)
+        engine = load()
         engine.eos_token_ids = frozenset()  # agents generate their whole budget
+        served.append(engine.info.served_name)  # the GGUF engine names its model from the file
         return ServedModel(info=engine.info, engine=engine)
 
     app = create_app(settings, host=build_host(settings), loader=loader)
     with RunningServer(app) as server:
         wait_loaded(app)
-        ttft(server.base_url)  # warm-up
-        idle = [ttft(server.base_url) for _ in range(args.samples)]
+        model = served[-1]
+        ttft(server.base_url, model)  # warm-up
+        idle = [ttft(server.base_url, model) for _ in range(args.samples)]
         loaded: dict[str, list[float]] = {"eager": [], "next_step": []}
         eager_join = scheduler_module.EagerJoin
         try:
             for _ in range(args.rounds):
                 for mode in loaded:  # a batch checks its engine when it opens: each phase opens its own
                     scheduler_module.EagerJoin = eager_join if mode == "eager" else _NeverEager  # type: ignore[misc]
-                    loaded[mode] += loaded_phase(server.base_url, args.agents, args.samples)
+                    loaded[mode] += loaded_phase(server.base_url, args.agents, args.samples, model)
         finally:
             scheduler_module.EagerJoin = eager_join  # type: ignore[misc]
     p50 = {"idle": statistics.median(idle), **{mode: statistics.median(v) for mode, v in loaded.items()}}
     report: dict[str, Any] = {
-        "model": "bench (22M, float32)",
+        "model": name,
         "agents": args.agents,
         "p50_ttft_s": p50,
         "ratio": p50["eager"] / p50["idle"],
