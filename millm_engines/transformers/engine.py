@@ -28,7 +28,7 @@ from .fp32 import Float32Copies
 from .generic import cache_length, join_refusal, merge_caches
 from .memory import available_bytes, shortfall
 from .plugin import CAPABILITIES  # declared once, before any load
-from .prefix import PrefixCache, prefill_chunks
+from .prefix import PrefixCache, prefill_chunks, rope_refusal
 from .rewind import PromptEnd, refeed_prompt_ends, refusal, rewind, select
 from .rows import install as install_rows_attention
 from .sampler import apply_biases, apply_masks, sample
@@ -124,8 +124,16 @@ class TransformersEngine:
         self.join_refusal: str | None = None if fast is not None else join_refusal(model)
         # Prompts' KV blocks for prefix reuse, wherever each row is prefilled alone in fixed
         # chunks (see .prefix): the lean decode step, and the generic forward of a model
-        # whose cache can be merged (a serial model prefills a request's rows together).
-        self.prefix = prefix if self.join_refusal is None else None
+        # whose cache can be merged (a serial model prefills a request's rows together);
+        # not where the rotary embedding keeps state of its own. None: reuse is on.
+        self.prefix_refusal: str | None = (
+            "the prefix cache is off"
+            if prefix is None
+            else f"rows cannot join batches ({self.join_refusal})"
+            if self.join_refusal is not None
+            else rope_refusal(model.config)
+        )
+        self.prefix = prefix if self.prefix_refusal is None else None
         # On the generic forward, why a row cannot attend over its own columns alone (None:
         # it does, see .rows); the lean decode step always does.
         self.rows_refusal: str | None = None if fast is not None else install_rows_attention(model)

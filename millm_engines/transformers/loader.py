@@ -122,6 +122,7 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
         batch_invariant=engine.batch_invariant,
         rows_attention_refusal=engine.rows_refusal,
         prefix_cache_mb=PREFIX_CACHE_MB.get(settings) if engine.prefix is not None else 0,
+        prefix_cache_refusal=engine.prefix_refusal,
     )
     engine.generation_defaults = stated_sampling(path)
     if settings.batch_invariant and not engine.batch_invariant:

@@ -47,6 +47,32 @@ from .taps import Captured
 CHUNK = 128
 
 
+# Rotary scalings whose keys depend on more than a position: "dynamic" (NTK) rescales by
+# the longest sequence the module has seen so far, "longrope" picks its factors by the
+# length of the pass. A resumed prefill would not compute what a full one does.
+STATEFUL_ROPE = frozenset({"dynamic", "longrope"})
+
+
+def rope_refusal(config: Any) -> str | None:
+    """Why a model with ``config`` cannot resume prefills exactly because of its rotary
+    scaling (None: it can). Looks through per-layer-type rotary parameters too."""
+    found: set[str] = set()
+
+    def visit(params: Any) -> None:
+        if isinstance(params, Mapping):
+            kind = params.get("rope_type", params.get("type"))
+            if isinstance(kind, str):
+                found.add(kind)
+            for value in params.values():
+                visit(value)
+
+    visit(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None))
+    stateful = sorted(found & STATEFUL_ROPE)
+    if not stateful:
+        return None
+    return f"its rotary scaling ({', '.join(stateful)}) depends on the lengths seen, not only on positions"
+
+
 def chunks(start: int, end: int, size: int = CHUNK) -> Iterator[tuple[int, int]]:
     """The prefill's forward passes for positions ``start .. end - 1``: ``(a, b)`` ranges
     that end at the multiples of ``size`` (and at ``end``)."""

@@ -153,6 +153,34 @@ def test_a_sliding_window_model_runs_alone_and_says_so(sliding: Any) -> None:
         sliding.close(batch)
 
 
+def test_prefix_reuse_is_on_where_rows_are_prefilled_alone(qwen2: Any, sliding: Any) -> None:
+    """The prefix cache (on by default) stays with a model whose rows join batches and is
+    dropped, with the reason logged, for a serial model (its rows prefill padded together)."""
+    assert qwen2.prefix is not None and qwen2.prefix_refusal is None
+    assert sliding.prefix is None and sliding.prefix_refusal is not None and "cannot join" in sliding.prefix_refusal
+
+
+def test_a_plain_cache_model_resumes_prompts_exactly(qwen2: Any, qwen2_dir: str) -> None:
+    """Tiny Qwen2 on the generic forward: a prompt sharing two whole chunks with an earlier
+    one resumes them, and its tokens and first logits are those of an engine without the
+    cache."""
+    from millm_engines.transformers.settings import PREFIX_CACHE_MB
+
+    from .test_prefix_cache import row, same, solo, system
+
+    off = load_engine(
+        ModelLocation(path=qwen2_dir, served_name="tiny-qwen2-no-prefix"),
+        load_settings({"prefix_cache_mb": 0}, environ={}, plugin_settings=[PREFIX_CACHE_MB]),
+    )
+    assert off.prefix is None
+    qwen2.prefix.clear()
+    head = system(qwen2, 300)
+    first, second = head + tuple(qwen2.encode("\n# one", add_special_tokens=False)), head + tuple(qwen2.encode("\n# two", add_special_tokens=False))
+    cold, warm = solo(qwen2, row(first)), solo(qwen2, row(second))
+    assert (cold["resumed"], warm["resumed"]) == (0, 256)
+    assert same(cold, solo(off, row(first))) and same(warm, solo(off, row(second)))
+
+
 def test_a_serial_models_request_of_several_rows_runs_together(sliding: Any) -> None:
     """Rows of one request on a model whose cache cannot be merged (``n`` > 1, or
     conversations of different lengths) prefill together in one padded pass: identical

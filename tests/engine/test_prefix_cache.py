@@ -26,7 +26,7 @@ from millm_core.api import PrefixReusing, RowSpec, SamplingParams, Tap
 from millm_core.config import load_settings
 from millm_core.engine import ModelLocation
 from millm_engines.transformers.loader import load_engine
-from millm_engines.transformers.prefix import CHUNK, PrefixCache, chunks
+from millm_engines.transformers.prefix import CHUNK, PrefixCache, chunks, rope_refusal
 from millm_engines.transformers.settings import FAST_DECODE, PREFIX_CACHE_MB
 from millm_engines.transformers.testing import tiny_model_dir
 
@@ -157,6 +157,18 @@ def test_a_prefill_resumed_early_runs_its_remaining_chunks_as_a_full_one_does(on
     warm = solo(on, row(long))
     assert warm["resumed"] == CHUNK and len(list(chunks(CHUNK, len(long)))) == 3
     assert same(warm, solo(off, row(long)))
+
+
+def test_rotary_scalings_with_state_turn_reuse_off() -> None:
+    """Dynamic (NTK) and longrope scaling depend on the lengths a module has seen, so a
+    resumed prefill would not be a full one: such models keep the cache off."""
+    from transformers import LlamaConfig
+
+    assert rope_refusal(LlamaConfig()) is None
+    assert rope_refusal(LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 2.0})) is None
+    assert "dynamic" in str(rope_refusal(LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0})))
+    nested = type("Config", (), {"rope_parameters": {"full_attention": {"rope_type": "default"}, "sliding": {"rope_type": "longrope"}}})()
+    assert "longrope" in str(rope_refusal(nested))
 
 
 def test_bitwise_comparisons_here_can_fail(long_dir: str) -> None:
