@@ -10,7 +10,8 @@ so the report gives what the eager first token saves in the same run.
 Usage: python bench/bench_lanes.py [--agents 8] [--samples 7] [--rounds 2] [--engine transformers|gguf]
 
 ``--engine gguf`` serves the packaged SmolLM2 Q4_1 GGUF instead of the 22M bench model, with
-``2 × --agents`` sequences.
+``2 × --agents`` sequences (``--gguf-parallel N`` for another count: with as many sequences
+as agents, the interactive request gets the row agents leave free, ``Scheduler.agent_reserve``).
 """
 
 from __future__ import annotations
@@ -89,16 +90,17 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--engine", choices=["transformers", "gguf"], default="transformers")
+    parser.add_argument("--gguf-parallel", type=int, default=0, help="GGUF sequences (default: twice --agents)")
     args = parser.parse_args()
     if args.engine == "gguf":
         from millm_engines.gguf.loader import load_engine as load_gguf
         from millm_engines.gguf.plugin import PARALLEL
         from millm_plugins.smollm2.convert import packaged_gguf
 
-        # Room for the interactive request beside the agents (a request that finds every
-        # sequence taken waits for one to finish, whatever its lane).
         settings = load_settings(
-            {"log_level": "warning", "db": ":memory:", "gguf_parallel": 2 * args.agents}, environ={}, plugin_settings=[PARALLEL]
+            {"log_level": "warning", "db": ":memory:", "gguf_parallel": args.gguf_parallel or 2 * args.agents},
+            environ={},
+            plugin_settings=[PARALLEL],
         )
         load: Any = lambda: load_gguf(ModelLocation(path=packaged_gguf(), served_name="bench"), settings)  # noqa: E731
         name = "SmolLM2-135M-Instruct Q4_1 (GGUF)"

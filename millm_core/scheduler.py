@@ -88,6 +88,12 @@ class Scheduler:
     # Interactive work served ahead of a waiting agent job before that job is served in
     # its arrival place, as if interactive: the agent lane is never starved.
     lane_passes = 8
+    # Rows a running batch keeps free of agent jobs, for interactive requests to join at
+    # once, while interactive requests arrived within the last ``interactive_window_s``
+    # (agent-only traffic gets every row). No pre-emption: without it, agent rows filling
+    # every row (every GGUF sequence) keep an interactive request waiting until one ends.
+    agent_reserve = 1
+    interactive_window_s = 30.0
 
     def __init__(self, max_queue: int, observe_step: Callable[[float], None] | None = None) -> None:
         self._max_queue = max_queue
@@ -100,6 +106,7 @@ class Scheduler:
         self._failure: str | None = None  # why the model thread stopped
         self._run_now: BatchRun | None = None
         self._clock = ServiceClock()
+        self._interactive_at = float("-inf")  # when the last interactive job was submitted
         self.stats = SchedulerStats()
         self._thread = threading.Thread(target=self._worker, name="millm-scheduler", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="millm-scheduler-watchdog", daemon=True)
@@ -112,6 +119,8 @@ class Scheduler:
         """Queue a generation job, or raise :class:`~millm_core.errors.QueueFull` (or a
         503 when the model thread has stopped)."""
         job.on_cancel = self._withdraw
+        if job.lane != AGENT:
+            self._interactive_at = time.monotonic()
         self._enqueue(job)
 
     def call(self, fn: Callable[[], R], *, counted: bool = True) -> Future[R]:
@@ -323,7 +332,13 @@ class Scheduler:
                 if self._claim(item):
                     self._call(item)
                 continue
-            if starving or joinable is None or item.engine is not cast(object, joinable) or not joinable.can_join(item.rows):
+            if (
+                starving
+                or joinable is None
+                or item.engine is not cast(object, joinable)
+                or not joinable.can_join(item.rows)
+                or self._reserved(item, joinable)
+            ):
                 blocked.append(item)
                 starving = starving or item.overtaken >= self.max_overtakes
                 continue
@@ -372,6 +387,16 @@ class Scheduler:
                 cast(Rewinding, engine).rewind(batch, pos, k)  # rows of engines with Capability.REWIND only
             except Exception as exc:  # noqa: BLE001 - this row's request fails, not the batch
                 run.rewind_failed(pos, exc)
+
+    def _reserved(self, job: Job, joinable: Joinable) -> bool:
+        """Whether agent ``job`` must not join because it would take the rows kept for
+        interactive requests (``agent_reserve``, while interactive requests are recent):
+        the engine is asked whether the job's rows and that many more would fit."""
+        if job.lane != AGENT or self.agent_reserve <= 0 or not job.rows:
+            return False
+        if time.monotonic() - self._interactive_at > self.interactive_window_s:
+            return False
+        return not joinable.can_join([*job.rows, *[job.rows[0]] * self.agent_reserve])
 
     def _run(self, first: Job) -> None:
         """Step one batch until every row in it is done: ``first``'s rows, and on a
