@@ -119,8 +119,6 @@ class Scheduler:
         """Queue a generation job, or raise :class:`~millm_core.errors.QueueFull` (or a
         503 when the model thread has stopped)."""
         job.on_cancel = self._withdraw
-        if job.lane != AGENT:
-            self._interactive_at = time.monotonic()
         self._enqueue(job)
 
     def call(self, fn: Callable[[], R], *, counted: bool = True) -> Future[R]:
@@ -201,6 +199,8 @@ class Scheduler:
             item.queued = True
             self.stats.queued += 1
             self._waiting.append(item)
+            if isinstance(item, Job) and item.lane != AGENT:
+                self._interactive_at = time.monotonic()  # admitted interactive work (see agent_reserve)
             self._wakeup.notify()
 
     def _claim(self, item: Job | Call) -> bool:
@@ -394,6 +394,8 @@ class Scheduler:
         the engine is asked whether the job's rows and that many more would fit."""
         if job.lane != AGENT or self.agent_reserve <= 0 or not job.rows:
             return False
+        if job.passed >= self.lane_passes or job.overtaken >= self.max_overtakes:
+            return False  # held back long enough: it takes any row now (never starved)
         if time.monotonic() - self._interactive_at > self.interactive_window_s:
             return False
         return not joinable.can_join([*job.rows, *[job.rows[0]] * self.agent_reserve])

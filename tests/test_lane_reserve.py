@@ -61,14 +61,38 @@ def test_agents_leave_a_row_for_recent_interactive_work(scheduler: Scheduler) ->
     agents = [agent(engine, seed=10 + k) for k in range(ROWS)]
     for j, _ in agents:
         scheduler.submit(j)
-    wait(lambda: engine.steps >= 5)
-    assert engine.rows == ROWS - 1 and scheduler.snapshot().queued == 1  # the fourth agent waits
+    wait(lambda: engine.rows == ROWS - 1 and scheduler.snapshot().queued == 1)
+    steps = engine.steps
+    wait(lambda: engine.steps >= steps + 5)
+    assert engine.rows == ROWS - 1 and scheduler.snapshot().queued == 1  # the fourth agent still waits
     interactive, sink = job(engine, seed=2, tokens=3)
     scheduler.submit(interactive)
     assert sink.end() == JobDone(cancelled=False)
     assert not any(s.ended.is_set() for _, s in agents[:3]), "the interactive request waited for an agent row to end"
     assert engine.peak == ROWS
     for _, s in agents:  # the agent kept out runs once a row frees: never starved
+        assert s.end(30) == JobDone(cancelled=False)
+
+
+def test_an_agent_held_back_long_enough_takes_the_last_row(scheduler: Scheduler) -> None:
+    """Once interactive work has been served ahead of a kept-out agent ``lane_passes``
+    times, the reserve no longer holds it back (it is never starved)."""
+    engine = Peak()
+    warm, warm_sink = job(engine, seed=1, tokens=1)
+    scheduler.submit(warm)
+    assert warm_sink.end() == JobDone(cancelled=False)
+    scheduler.lane_passes = 2
+    agents = [agent(engine, seed=10 + k) for k in range(ROWS)]
+    for j, _ in agents:
+        scheduler.submit(j)
+    wait(lambda: engine.rows == ROWS - 1 and scheduler.snapshot().queued == 1)
+    for seed in (2, 3):  # two interactive jobs served ahead of the waiting agent
+        interactive, sink = job(engine, seed=seed, tokens=2)
+        scheduler.submit(interactive)
+        assert sink.end() == JobDone(cancelled=False)
+    wait(lambda: engine.rows == ROWS and scheduler.snapshot().queued == 0)  # it took the reserved row
+    assert not any(s.ended.is_set() for _, s in agents)  # before any agent row ended
+    for _, s in agents:
         assert s.end(30) == JobDone(cancelled=False)
 
 
