@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .packed import Linear, PackedWeights, packing_refusal
 from .preflight import lean_refusal
 from .taps import Captured, LayerReads, capture
 
@@ -137,9 +138,12 @@ class KVCache:
 
 
 class LlamaDecoder:
-    """The lean decode step; build once per loaded model."""
+    """The lean decode step; build once per loaded model. Unless ``packing`` says why not
+    (None: try), its bf16 matrix products use blocked weight copies where this CPU passes
+    their check (see :mod:`.packed`; ``packing_refusal`` says why not, ``packed_bytes``
+    what they take)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, packing: str | None = "not asked for") -> None:
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(reason)
@@ -171,6 +175,13 @@ class LlamaDecoder:
                     w_down=mlp.down_proj.weight,
                 )
             )
+        weights = [w for layer in self.layers for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down)] + [self.lm_head]
+        self.packing_refusal: str | None = packing_refusal(weights) if packing is None else packing
+        self.packed_bytes = 0
+        self._linear: Linear = F.linear
+        if self.packing_refusal is None:
+            packed = PackedWeights(weights)
+            self._linear, self.packed_bytes = packed.linear, packed.nbytes
 
     @torch.inference_mode()
     def step(
@@ -192,6 +203,7 @@ class LlamaDecoder:
         ``starts[r]``, when given, is row r's first real cache column: each row then
         attends over exactly its own columns, with no mask (the row computes as alone)."""
         rows = tokens.shape[0]
+        linear = self._linear
         hidden = F.embedding(tokens, self.embed)[:, None, :]
         cos, sin = self.rotary(hidden, positions[:, None])
         cos, sin = cos[:, None], sin[:, None]
@@ -202,7 +214,7 @@ class LlamaDecoder:
         gqa = self.n_kv != self.n_heads
         for i, layer in enumerate(self.layers):
             x = _rms(hidden, layer.w_in, self.eps)
-            qkv = F.linear(x, layer.w_qkv)
+            qkv = linear(x, layer.w_qkv)
             q = qkv[..., :q_end].view(rows, 1, self.n_heads, self.head_dim).transpose(1, 2)
             k = qkv[..., q_end:k_end].view(rows, 1, self.n_kv, self.head_dim).transpose(1, 2)
             v = qkv[..., k_end:].view(rows, 1, self.n_kv, self.head_dim).transpose(1, 2)
@@ -224,14 +236,14 @@ class LlamaDecoder:
                         for r, s in enumerate(starts)
                     ]
                 )
-            hidden = hidden + F.linear(attn.transpose(1, 2).reshape(rows, 1, self.q_size), layer.w_o)
+            hidden = hidden + linear(attn.transpose(1, 2).reshape(rows, 1, self.q_size), layer.w_o)
             x = _rms(hidden, layer.w_post, self.eps)
-            gate_up = F.linear(x, layer.w_gate_up)
-            hidden = hidden + F.linear(F.silu(gate_up[..., : self.inter]) * gate_up[..., self.inter :], layer.w_down)
+            gate_up = linear(x, layer.w_gate_up)
+            hidden = hidden + linear(F.silu(gate_up[..., : self.inter]) * gate_up[..., self.inter :], layer.w_down)
             if reads is not None and i in reads:
                 assert captured is not None
                 hidden = capture(i, reads, hidden, deltas.get(i) if deltas else None, captured)
             elif deltas is not None and i in deltas:
                 hidden = hidden + deltas[i][:, None, :]
         cache.length = t + 1
-        return F.linear(_rms(hidden[:, 0], self.norm, self.eps), self.lm_head)
+        return linear(_rms(hidden[:, 0], self.norm, self.eps), self.lm_head)

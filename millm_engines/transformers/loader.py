@@ -19,7 +19,7 @@ from millm_core.api import ConfigError, ModelInfo, ModelLocation, Settings, oper
 from .engine import TransformersEngine
 from .fastpath import LlamaDecoder, unsupported_reason
 from .prefix import PrefixCache
-from .preflight import check_quantization, chosen_dtype, invariant_in_any_dtype
+from .preflight import check_quantization, chosen_dtype, invariant_in_any_dtype, packing_plan
 from .settings import FAST_DECODE, PREFIX_CACHE_MB
 
 log = structlog.get_logger("millm.engine.transformers")
@@ -105,7 +105,7 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
     reason = unsupported_reason(model) if FAST_DECODE.get(settings) else "disabled by --fast-decode false"
     prefix = None
     if reason is None:
-        fast = LlamaDecoder(model)
+        fast = LlamaDecoder(model, packing=packing_plan(config, info.dtype, settings))
     if PREFIX_CACHE_MB.get(settings) > 0:  # the cache belongs to this model in this dtype (the engine drops it where unusable)
         prefix = PrefixCache(PREFIX_CACHE_MB.get(settings) * 2**20, f"{info.served_name}@{info.revision}:{info.dtype}")
     engine = TransformersEngine(model, tokenizer, info, _eos_ids(tokenizer, path), fast=fast, prefix=prefix)
@@ -117,6 +117,8 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
         threads=torch.get_num_threads(),
         fast_decode=fast is not None,
         fast_decode_reason=reason,
+        packed_weights_mb=round(fast.packed_bytes / 2**20, 1) if fast is not None else 0,
+        packed_weights_refusal=fast.packing_refusal if fast is not None else reason,
         batches_requests=engine.batches_requests,
         batching_refusal=engine.join_refusal,
         batch_invariant=engine.batch_invariant,

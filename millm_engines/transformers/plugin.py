@@ -9,7 +9,7 @@ from typing import Any
 
 from millm_core.api import Capability, EngineFactory, LoadPlan, ModelLocation, PluginSetting, Settings, hookimpl
 
-from .settings import FAST_DECODE, PREFIX_CACHE_MB
+from .settings import FAST_DECODE, PACKED_WEIGHTS, PREFIX_CACHE_MB
 
 MILLM_PLUGIN_KIND = "engine"
 
@@ -60,4 +60,5 @@ def millm_register_engines(register: Callable[[EngineFactory], None]) -> None:
 @hookimpl
 def millm_register_settings(register: Callable[[PluginSetting[Any]], None]) -> None:
     register(FAST_DECODE)
+    register(PACKED_WEIGHTS)
     register(PREFIX_CACHE_MB)

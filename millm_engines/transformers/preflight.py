@@ -13,7 +13,7 @@ from typing import Any
 
 from millm_core.api import LoadPlan, ModelLocation, Settings, UnsupportedQuantization, host_available_bytes
 
-from .settings import FAST_DECODE, LEAN_MODEL_TYPES
+from .settings import FAST_DECODE, LEAN_MODEL_TYPES, PACKED_WEIGHTS
 
 # Bytes per element of the dtypes millm serves a checkpoint in.
 SERVED_WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -74,6 +74,34 @@ def lean_step(config: object, settings: Settings) -> bool:
     return bool(FAST_DECODE.get(settings)) and lean_refusal(config) is None
 
 
+def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX), as its kernel
+    reports it; False where that cannot be read."""
+    try:
+        with open(cpuinfo, encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def packing_plan(config: object, dtype: str, settings: Settings) -> str | None:
+    """Why the lean step would not keep blocked copies of the weights (see :mod:`.packed`),
+    or None when it would try (its load-time check may still decline them)."""
+    if not PACKED_WEIGHTS.get(settings):
+        return "disabled by --packed-weights false"
+    if not lean_step(config, settings):
+        return "no lean decode step"
+    if dtype != "bfloat16":
+        return f"served in {dtype}, not bfloat16"
+    if not native_bf16():
+        return "this CPU has no native bf16 (AVX-512 BF16 or AMX)"
+    return None
+
+
 def _config(path: str) -> dict[str, Any]:
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
@@ -103,10 +131,8 @@ def check_quantization(name: str, quantization: object) -> None:
         ) from exc
 
 
-def _safetensors_bytes(file: str, width: int | None) -> int:
-    """The bytes ``file``'s tensors take once loaded: floating tensors at ``width`` bytes
-    an element (None: as stored), others as stored. Raises ``ValueError`` for a header
-    that is not a safetensors header."""
+def _header(file: str) -> dict[str, Any]:
+    """``file``'s safetensors header. Raises ``ValueError`` for one that is not."""
     with open(file, "rb") as fh:
         prefix = fh.read(8)
         if len(prefix) != 8:
@@ -117,9 +143,16 @@ def _safetensors_bytes(file: str, width: int | None) -> int:
         header = json.loads(fh.read(length))
     if not isinstance(header, dict):
         raise ValueError(f"{os.path.basename(file)}: the header is not an object")
+    return header
+
+
+def _safetensors_bytes(file: str, width: int | None, only: set[str] | None = None) -> int:
+    """The bytes ``file``'s tensors (with ``only``, those it names) take once loaded:
+    floating tensors at ``width`` bytes an element (None: as stored), others as stored.
+    Raises ``ValueError`` for a header that is not a safetensors header."""
     total = 0
-    for key, tensor in header.items():
-        if key == "__metadata__":
+    for key, tensor in _header(file).items():
+        if key == "__metadata__" or (only is not None and key not in only):
             continue
         shape = tensor.get("shape") if isinstance(tensor, dict) else None
         stored = tensor.get("dtype") if isinstance(tensor, dict) else None
@@ -156,6 +189,14 @@ def weights_bytes(path: str, width: int | None) -> int:
     return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth")))
 
 
+def _packed(names: set[str]) -> set[str]:
+    """The tensors of a Llama checkpoint the lean step keeps blocked copies of: the
+    projections, and the output matrix (the embeddings where they are tied to it)."""
+    projections = {n for n in names if n.endswith("_proj.weight") and (".self_attn." in n or ".mlp." in n)}
+    output = {n for n in names if n == "lm_head.weight"} or {n for n in names if n.endswith("embed_tokens.weight")}
+    return projections | output
+
+
 def preflight(location: ModelLocation, settings: Settings) -> LoadPlan:
     """The transformers engine's :class:`~millm_core.api.LoadPlan` (weights on the CPU, in
     the dtype the load would choose); refuses an unloadable quantization."""
@@ -167,4 +208,8 @@ def preflight(location: ModelLocation, settings: Settings) -> LoadPlan:
     # Unreadable or malformed weight files raise: the core refuses the load before it
     # unloads anything (model_load_failed).
     need = weights_bytes(location.path, width)
+    files = _weight_files(location.path)
+    if quantization is None and files and packing_plan(config, dtype, settings) is None:
+        packed = _packed({name for f in files for name in _header(f)})
+        need += sum(_safetensors_bytes(f, width, packed) for f in files)
     return LoadPlan(need={"cpu": need}, free={"cpu": host_available_bytes()})

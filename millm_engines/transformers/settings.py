@@ -18,6 +18,13 @@ LEAN_MODEL_TYPES = ("llama",)
 FAST_DECODE = PluginSetting(
     "fast_decode", True, "true | false: the lean decode step where it supports the architecture (Llama-style models)", parse_bool
 )
+PACKED_WEIGHTS = PluginSetting(
+    "packed_weights",
+    True,
+    "true | false: on a CPU with native bf16, the lean decode step multiplies by blocked copies of its bf16 weights "
+    "(faster; one more copy of the weights in memory)",
+    parse_bool,
+)
 PREFIX_CACHE_MB = PluginSetting(
     "prefix_cache_mb",
     256,

@@ -188,7 +188,7 @@ def test_bitwise_comparisons_here_can_fail(long_dir: str) -> None:
         cache = DynamicCache()
         with torch.inference_mode():
             for start in range(0, len(prompt), size):
-                out = engine.model(input_ids=torch.tensor([prompt[start : start + size]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+                out = engine.model(input_ids=torch.tensor([prompt[start : start + size]]), cache=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :]
 
     others = [cut(len(prompt)), cut(100), cut(64)]
