@@ -193,8 +193,46 @@ def ceiling_run(model: Any, threads: int, seqs: int, steps: int, invariant: bool
     return seqs * steps / (done - decoding), seqs * (steps + 1) / (done - started)
 
 
-def ceiling(gguf: str, threads: int, streams: int, steps: int, repeats: int) -> dict[str, dict[str, float]]:
-    """Medians of {setting: {f"decode_{n}", f"prefill_{n}"}} for n = 1 and ``streams`` sequences."""
+# Run as ``python -c``: whether llama.cpp with its default model parameters (repacked weight
+# layouts) survives a prompt of several tokens. On CPUs with AMX it can crash there
+# (ggml-org/llama.cpp#20824: a segfault in ggml_backend_amx_mul_mat, seen here on the
+# packaged Q4_1 file); one decode call in a child process tells without taking the bench down.
+_REPACK_PROBE = """
+import sys, llama_cpp as L
+import millm_engines.gguf.llama
+model = L.llama_model_load_from_file(sys.argv[1].encode(), L.llama_model_default_params())
+params = L.llama_context_default_params()
+params.n_ctx, params.n_threads, params.n_threads_batch = 256, int(sys.argv[2]), int(sys.argv[2])
+ctx = L.llama_init_from_model(model, params)
+tokens = (L.llama_token * 16)(*range(100, 116))  # kept alive: the batch points into it
+batch = L.llama_batch_get_one(tokens, 16)
+sys.exit(L.llama_decode(ctx, batch))
+"""
+
+# Run as ``python -c`` with llama_cpp.server's arguments: the server with repacked weight
+# layouts off (what millm's engine runs with), where its defaults crash.
+_PEER_WITHOUT_REPACK = """
+import runpy, sys
+import llama_cpp.llama_cpp as C
+defaults = C.llama_model_default_params
+def without_repack():
+    params = defaults()
+    params.use_extra_bufts = False
+    return params
+C.llama_model_default_params = without_repack
+sys.argv[0] = "llama_cpp.server"
+runpy.run_module("llama_cpp.server", run_name="__main__")
+"""
+
+
+def repack_survives(gguf: str, threads: int) -> bool:
+    probe = subprocess.run([sys.executable, "-c", _REPACK_PROBE, gguf, str(threads)], capture_output=True, timeout=300)
+    return probe.returncode == 0
+
+
+def ceiling(gguf: str, threads: int, streams: int, steps: int, repeats: int, repack: bool = True) -> dict[str, dict[str, float]]:
+    """Medians of {setting: {f"decode_{n}", f"prefill_{n}"}} for n = 1 and ``streams`` sequences
+    (without ``repack``, the "default" setting keeps the file's weight layouts too)."""
     import llama_cpp as L
 
     import millm_engines.gguf.llama  # noqa: F401  # silences llama.cpp's log
@@ -202,7 +240,7 @@ def ceiling(gguf: str, threads: int, streams: int, steps: int, repeats: int) -> 
     models = {}
     for setting in ("default", "invariant"):
         mparams = L.llama_model_default_params()
-        if setting == "invariant":
+        if setting == "invariant" or not repack:
             mparams.use_extra_bufts = False
         models[setting] = L.llama_model_load_from_file(gguf.encode(), mparams)
     samples: dict[str, dict[str, list[float]]] = {s: {} for s in models}
@@ -234,7 +272,12 @@ def main() -> None:
 
     gguf = packaged_gguf()
     env_threads = str(args.threads)
-    peer_args = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--n_threads", env_threads, "--n_ctx", "8192"]
+    repack = repack_survives(gguf, args.threads)
+    if not repack:
+        print("llama.cpp's repacked weight layouts crash on a prompt on this CPU (ggml-org/llama.cpp#20824): "
+              "llama_cpp.server and the C-API 'default' setting run without them", flush=True)  # fmt: skip
+    launch = ["-m", "llama_cpp.server"] if repack else ["-c", _PEER_WITHOUT_REPACK]
+    peer_args = [sys.executable, *launch, "--model", gguf, "--host", "127.0.0.1", "--n_threads", env_threads, "--n_ctx", "8192"]
     port = free_port()
     default_peer = Server("llama_cpp.server (defaults)", [*peer_args, "--port", str(port)], port)
     try:
@@ -276,7 +319,8 @@ def main() -> None:
         "single_ratio": med["millm"]["single"] / med["llama_cpp.server"]["single"],
         "aggregate_ratio": med["millm"]["aggregate"] / med["llama_cpp.server"]["aggregate"],
     }
-    ceil = ceiling(gguf, args.threads, args.streams, args.ceiling_steps, args.repeats)
+    summary["repacked_layouts_crash"] = not repack
+    ceil = ceiling(gguf, args.threads, args.streams, args.ceiling_steps, args.repeats, repack)
     n = args.streams
     summary["ceiling"] = {
         "steps": args.ceiling_steps,

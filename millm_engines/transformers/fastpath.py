@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .packed import Linear, PackedWeights, packing_refusal
+from .packed import Linear, pack
 from .preflight import lean_refusal
 from .taps import Captured, LayerReads, capture
 
@@ -176,12 +176,9 @@ class LlamaDecoder:
                 )
             )
         weights = [w for layer in self.layers for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down)] + [self.lm_head]
-        self.packing_refusal: str | None = packing_refusal(weights) if packing is None else packing
-        self.packed_bytes = 0
-        self._linear: Linear = F.linear
-        if self.packing_refusal is None:
-            packed = PackedWeights(weights)
-            self._linear, self.packed_bytes = packed.linear, packed.nbytes
+        packed, self.packing_refusal = pack(weights) if packing is None else (None, packing)
+        self.packed_bytes = packed.nbytes if packed is not None else 0
+        self._linear: Linear = packed.linear if packed is not None else F.linear
 
     @torch.inference_mode()
     def step(

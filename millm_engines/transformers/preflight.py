@@ -208,8 +208,10 @@ def preflight(location: ModelLocation, settings: Settings) -> LoadPlan:
     # Unreadable or malformed weight files raise: the core refuses the load before it
     # unloads anything (model_load_failed).
     need = weights_bytes(location.path, width)
-    files = _weight_files(location.path)
-    if quantization is None and files and packing_plan(config, dtype, settings) is None:
+    if quantization is None and packing_plan(config, dtype, settings) is None:
+        # The blocked copies (as large as the matrices they copy, for shapes in multiples
+        # of 64); pickled weights have no header to pick them from: counted as all.
+        files = _weight_files(location.path)
         packed = _packed({name for f in files for name in _header(f)})
-        need += sum(_safetensors_bytes(f, width, packed) for f in files)
+        need += sum(_safetensors_bytes(f, width, packed) for f in files) if files else need
     return LoadPlan(need={"cpu": need}, free={"cpu": host_available_bytes()})
