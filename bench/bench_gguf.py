@@ -14,7 +14,7 @@ defaults records how many it cuts.
 
 In the same run, after the servers stop, llama.cpp's C API is driven directly (no millm, no
 HTTP) on the same file and threads: prefill ``--streams`` sequences in one ``llama_decode``
-call, then ``--ceiling-steps`` (48) greedy decode steps, each decoding every sequence in ONE
+call, then ``--ceiling-steps`` (the streams' 64 by default) greedy decode steps, each decoding every sequence in ONE
 call; also 1 sequence. Two settings alternate, ``--repeats`` times (medians):
   - "default": llama.cpp's own choices (a unified KV cache as llama-server uses, flash
     attention auto, default model params, so repacked weight layouts): the batched ceiling;
@@ -143,7 +143,12 @@ def concurrent_streams(server: Server, tokens: int, streams: int) -> tuple[float
     return sum(counts) / wall, cut
 
 
-CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"  # SmolLM2's chat turn, as the servers render it
+# SmolLM2's chat turn as both servers render a lone user message with the file's template
+# (which adds its default system turn): the ceiling decodes the sequences the servers do.
+CHAT = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
 
 
 def ceiling_run(model: Any, threads: int, seqs: int, steps: int, invariant: bool) -> tuple[float, float]:
@@ -266,8 +271,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--ceiling-steps", type=int, default=48)
+    parser.add_argument("--ceiling-steps", type=int, default=None, help="default: the streams' length, --tokens // 2")
     args = parser.parse_args()
+    if args.ceiling_steps is None:
+        args.ceiling_steps = args.tokens // 2
     from millm_plugins.smollm2.convert import packaged_gguf
 
     gguf = packaged_gguf()
