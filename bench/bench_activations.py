@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_decode import aggregate_rate, save_results, smollm2_dir, wait_loaded  # noqa: E402
+from client import CLIENT  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from millm_core.config import load_settings  # noqa: E402
@@ -50,7 +51,7 @@ def chat(base_url: str, prompt: str, tokens: int, read: bool) -> int:
     body: dict[str, Any] = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "temperature": 0}
     if read:
         body["return_sae_activations"] = ASK
-    reply = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=600).json()
+    reply = CLIENT.post(base_url + "/v1/chat/completions", json=body, timeout=600).json()
     assert ("millm" in reply) == read, reply
     return int(reply["usage"]["completion_tokens"])
 
@@ -79,8 +80,8 @@ def main() -> None:
         wait_loaded(app)
         d_model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["millm"]["d_model"]
         path = write_sae(Path(folder) / "sae", d_model)
-        assert httpx.post(server.base_url + "/api/saes", json={"path": path, "id": "bench"}).status_code == 201
-        assert httpx.post(server.base_url + "/api/saes/bench/attach", json={"layer": LAYER}).status_code == 200
+        assert CLIENT.post(server.base_url + "/api/saes", json={"path": path, "id": "bench"}).status_code == 201
+        assert CLIENT.post(server.base_url + "/api/saes/bench/attach", json={"layer": LAYER}).status_code == 200
         chat(server.base_url, PROMPTS[0], 4, True)  # warm-up
         for repeat in range(args.repeats):
             for read in (False, True) if repeat % 2 == 0 else (True, False):

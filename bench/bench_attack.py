@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import httpx  # noqa: E402
 from bench_decode import bench_model_dir, save_results  # noqa: E402
+from client import CLIENT  # noqa: E402
 
 from millm_core.config import load_settings  # noqa: E402
 from millm_core.engine import ModelLocation  # noqa: E402
@@ -54,7 +55,7 @@ def attack_bodies() -> list[tuple[str, bytes]]:
 def stream_pace(base_url: str, tokens: int) -> float:
     body = {"model": "bench", "prompt": "Write about the sea.", "max_tokens": tokens, "temperature": 0, "stream": True}
     started, count = time.perf_counter(), 0
-    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=600) as resp:
+    with CLIENT.stream("POST", base_url + "/v1/completions", json=body, timeout=600) as resp:
         for line in resp.iter_lines():
             if line.startswith("data: {") and '"text":""' not in line.replace(" ", ""):
                 count += 1

@@ -26,10 +26,10 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
-import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import openai  # noqa: E402
 from bench_decode import PROMPT, bench_model_dir, save_results, smollm2_dir, wait_loaded  # noqa: E402
+from client import CLIENT  # noqa: E402
 
 from millm_core.config import load_settings  # noqa: E402
 from millm_core.engine import ModelLocation  # noqa: E402
@@ -99,9 +99,9 @@ def run_model(name: str, path: str, dtype: str, tokens: int, repeats: int) -> di
         api = server.base_url + "/api"
         for layer in layers:
             sae = write_sae(Path(folder) / f"l{layer}", info.d_model, seed=layer)
-            httpx.post(api + "/saes", json={"path": sae, "id": f"bench-l{layer}"}).raise_for_status()
-            httpx.post(api + f"/saes/bench-l{layer}/attach", json={"layer": layer}).raise_for_status()
-        imported = httpx.post(api + "/circuits/import", json=circuit_document(layers))
+            CLIENT.post(api + "/saes", json={"path": sae, "id": f"bench-l{layer}"}).raise_for_status()
+            CLIENT.post(api + f"/saes/bench-l{layer}/attach", json={"layer": layer}).raise_for_status()
+        imported = CLIENT.post(api + "/circuits/import", json=circuit_document(layers))
         imported.raise_for_status()
         circuit_id = imported.json()["id"]
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="bench", max_retries=0)
@@ -109,7 +109,7 @@ def run_model(name: str, path: str, dtype: str, tokens: int, repeats: int) -> di
 
         def stream(steered: bool) -> tuple[float, float]:
             action = "activate" if steered else "deactivate"
-            httpx.post(api + f"/circuits/{circuit_id}/{action}", json={}).raise_for_status()
+            CLIENT.post(api + f"/circuits/{circuit_id}/{action}", json={}).raise_for_status()
             start = time.perf_counter()
             first: float | None = None
             raw = client.chat.completions.with_raw_response.create(

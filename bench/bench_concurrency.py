@@ -23,8 +23,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
-import httpx  # noqa: E402
 from bench_decode import bench_model_dir, save_results, wait_loaded  # noqa: E402
+from client import CLIENT  # noqa: E402
 
 from millm_core.config import load_settings  # noqa: E402
 from millm_core.engine import ModelLocation  # noqa: E402
@@ -38,7 +38,7 @@ PROMPTS = ["Write about the sea.", "Describe a market.", "Explain bread.", "A le
 
 def complete(base_url: str, prompt: str, tokens: int) -> int:
     body = {"model": "bench", "prompt": prompt, "max_tokens": tokens, "temperature": 0}
-    return int(httpx.post(base_url + "/v1/completions", json=body, timeout=600).json()["usage"]["completion_tokens"])
+    return int(CLIENT.post(base_url + "/v1/completions", json=body, timeout=600).json()["usage"]["completion_tokens"])
 
 
 def one_after_another(base_url: str, n: int, tokens: int) -> float:

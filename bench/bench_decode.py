@@ -39,8 +39,8 @@ from millm_core.registry import ServedModel  # noqa: E402
 from millm_core.rows import RowDriver  # noqa: E402
 from millm_core.server.app import build_host, create_app  # noqa: E402
 from millm_core.testing import RunningServer  # noqa: E402
-from millm_engines.transformers.testing import build_tiny_model  # noqa: E402
 from millm_engines.transformers.loader import load_engine  # noqa: E402
+from millm_engines.transformers.testing import build_tiny_model  # noqa: E402
 
 PROMPT = "Write a detailed story about a lighthouse keeper who finds a map."
 

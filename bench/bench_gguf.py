@@ -6,7 +6,9 @@ Both servers run as subprocesses on 127.0.0.1 and are driven by the same client 
     completion tokens each server reports and the wall time.
   - 8 concurrent streams: eight streaming requests (different prompts) at once; aggregate
     tok/s = content chunks received / wall time, and how many streams were cut short
-    (ended without a finish reason, or with no content).
+    (ended without a finish reason, or with no content); and the run's two phases
+    (bench/phases.py): when every stream had its first token, and the aggregate rate
+    while all of them decode, which is what the decode ceiling below measures.
 Runs alternate between the servers, ``--repeats`` times, and medians are compared. The
 peer runs with ``--interrupt_requests False``: by default it cuts concurrent streams short
 (a 200 with no tokens), which would flatter any comparison; one extra 8-stream run with its
@@ -42,6 +44,10 @@ from typing import Any
 
 import httpx
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from client import CLIENT  # noqa: E402
+from phases import content_chunk, now, phases  # noqa: E402
 
 PROMPTS = [
     "Write a detailed story about a lighthouse keeper who finds a map.",
@@ -106,41 +112,42 @@ class Server:
 def one_stream(server: Server, tokens: int) -> float:
     body = {"model": server.model, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": tokens, "temperature": 0}
     started = time.perf_counter()
-    resp = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=600).json()
+    resp = CLIENT.post(server.url + "/v1/chat/completions", json=body, timeout=600).json()
     return float(resp["usage"]["completion_tokens"]) / (time.perf_counter() - started)
 
 
-def concurrent_streams(server: Server, tokens: int, streams: int) -> tuple[float, int]:
+def concurrent_streams(server: Server, tokens: int, streams: int) -> tuple[float, int, dict[str, float]]:
+    """Aggregate tok/s of ``streams`` streams sent at once (content chunks / wall time), how
+    many were cut short, and the run's two phases (:func:`phases.phases`)."""
     counts = [0] * streams
     finished = [False] * streams
+    arrivals: list[list[float]] = [[] for _ in range(streams)]
 
     def run(i: int) -> None:
         body = {"model": server.model, "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "max_tokens": tokens, "temperature": 0, "stream": True}
         try:
-            with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=600) as resp:
-                lines = list(resp.iter_lines())
+            with CLIENT.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=600) as resp:
+                for line in resp.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if content_chunk(chunk):
+                        counts[i] += 1
+                        arrivals[i].append(now())
+                    if any(choice.get("finish_reason") for choice in chunk.get("choices") or []):
+                        finished[i] = True
         except httpx.HTTPError:  # the server dropped the stream: it counts as cut short
             return
-        if True:
-            for line in lines:
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                for choice in chunk.get("choices") or []:
-                    if (choice.get("delta") or {}).get("content"):
-                        counts[i] += 1
-                    if choice.get("finish_reason"):
-                        finished[i] = True
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
-    started = time.perf_counter()
+    started = now()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - started
+    wall = now() - started
     cut = sum(1 for i in range(streams) if not finished[i] or counts[i] == 0)
-    return sum(counts) / wall, cut
+    return sum(counts) / wall, cut, phases(arrivals, started)
 
 
 # SmolLM2's chat turn as both servers render a lone user message with the file's template
@@ -151,8 +158,9 @@ CHAT = (
 )
 
 
-def ceiling_run(model: Any, threads: int, seqs: int, steps: int, invariant: bool) -> tuple[float, float]:
-    """(decode tok/s, tok/s with the prefill) of ``seqs`` greedy sequences in one fresh context."""
+def ceiling_run(model: Any, threads: int, seqs: int, steps: int, invariant: bool) -> tuple[float, float, float]:
+    """(decode tok/s, tok/s with the prefill, seconds of the prefill call with its first
+    tokens) of ``seqs`` greedy sequences in one fresh context."""
     import llama_cpp as L
 
     params = L.llama_context_default_params()
@@ -195,7 +203,7 @@ def ceiling_run(model: Any, threads: int, seqs: int, steps: int, invariant: bool
     finally:
         L.llama_batch_free(batch)
         L.llama_free(ctx)
-    return seqs * steps / (done - decoding), seqs * (steps + 1) / (done - started)
+    return seqs * steps / (done - decoding), seqs * (steps + 1) / (done - started), decoding - started
 
 
 # Run as ``python -c``: whether llama.cpp with its default model parameters (repacked weight
@@ -236,7 +244,7 @@ def repack_survives(gguf: str, threads: int) -> bool:
 
 
 def ceiling(gguf: str, threads: int, streams: int, steps: int, repeats: int, repack: bool = True) -> dict[str, dict[str, float]]:
-    """Medians of {setting: {f"decode_{n}", f"prefill_{n}"}} for n = 1 and ``streams`` sequences
+    """Medians of {setting: {f"decode_{n}", f"prefill_{n}", f"prefill_s_{n}"}} for n = 1 and ``streams`` sequences
     (without ``repack``, the "default" setting keeps the file's weight layouts too)."""
     import llama_cpp as L
 
@@ -255,9 +263,10 @@ def ceiling(gguf: str, threads: int, streams: int, steps: int, repeats: int, rep
         for repeat in range(repeats):
             for setting in ("default", "invariant") if repeat % 2 == 0 else ("invariant", "default"):
                 for seqs in (1, streams):
-                    decode, with_prefill = ceiling_run(models[setting], threads, seqs, steps, setting == "invariant")
+                    decode, with_prefill, prefill_s = ceiling_run(models[setting], threads, seqs, steps, setting == "invariant")
                     samples[setting].setdefault(f"decode_{seqs}", []).append(decode)
                     samples[setting].setdefault(f"prefill_{seqs}", []).append(with_prefill)
+                    samples[setting].setdefault(f"prefill_s_{seqs}", []).append(prefill_s)
             print(f"ceiling repeat {repeat}: " + ", ".join(f"{s} {n}x {v[-1]:.1f}" for s in samples for n, v in samples[s].items() if n.startswith("decode")), flush=True)
     finally:
         for model in models.values():
@@ -289,7 +298,7 @@ def main() -> None:
     default_peer = Server("llama_cpp.server (defaults)", [*peer_args, "--port", str(port)], port)
     try:
         one_stream(default_peer, 8)
-        _, default_cut = concurrent_streams(default_peer, args.tokens // 2, args.streams)
+        _, default_cut, _ = concurrent_streams(default_peer, args.tokens // 2, args.streams)
     finally:
         default_peer.stop()
     print(f"llama_cpp.server with its defaults: {default_cut}/{args.streams} concurrent streams cut short", flush=True)
@@ -300,18 +309,21 @@ def main() -> None:
         [sys.executable, "-m", "millm_core.cli", "serve", "--engine", "gguf", "--port", str(millm_port), "--threads", env_threads, "--log-level", "warning", "--db", ":memory:"],
         millm_port,
     )
-    results: dict[str, dict[str, list[float]]] = {s.name: {"single": [], "aggregate": [], "cut": []} for s in (peer, ours)}
+    results: dict[str, dict[str, list[float]]] = {s.name: {"single": [], "aggregate": [], "cut": [], "all_first_s": [], "steady_tok_s": []} for s in (peer, ours)}
     try:
         for server in (peer, ours):  # warm-up
             one_stream(server, 8)
         for repeat in range(args.repeats):
             for server in (peer, ours) if repeat % 2 == 0 else (ours, peer):
                 results[server.name]["single"].append(one_stream(server, args.tokens))
-                rate, cut = concurrent_streams(server, args.tokens // 2, args.streams)
+                rate, cut, phase = concurrent_streams(server, args.tokens // 2, args.streams)
                 results[server.name]["aggregate"].append(rate)
                 results[server.name]["cut"].append(cut)
+                for key, value in phase.items():
+                    results[server.name][key].append(value)
                 print(f"{server.name:18s} repeat {repeat}: 1 stream {results[server.name]['single'][-1]:.1f} tok/s, "
-                      f"{args.streams} streams {rate:.1f} tok/s aggregate, cut short {cut}/{args.streams}", flush=True)
+                      f"{args.streams} streams {rate:.1f} tok/s aggregate (every first token at {phase['all_first_s']:.2f} s, "
+                      f"then {phase['steady_tok_s']:.1f} tok/s), cut short {cut}/{args.streams}", flush=True)
     finally:
         peer.stop()
         ours.stop()
@@ -336,6 +348,7 @@ def main() -> None:
         "millm_over_ceiling": med["millm"]["aggregate"] / ceil["default"][f"decode_{n}"],
         "millm_over_ceiling_with_prefill": med["millm"]["aggregate"] / ceil["default"][f"prefill_{n}"],
         "millm_over_invariant_ceiling": med["millm"]["aggregate"] / ceil["invariant"][f"decode_{n}"],
+        "millm_steady_over_ceiling": med["millm"]["steady_tok_s"] / ceil["default"][f"decode_{n}"],
     }
     print(f"\n1 stream: millm {med['millm']['single']:.1f} vs llama_cpp.server {med['llama_cpp.server']['single']:.1f} tok/s -> {summary['single_ratio']:.2f}x")
     print(f"{args.streams} streams: millm {med['millm']['aggregate']:.1f} vs llama_cpp.server {med['llama_cpp.server']['aggregate']:.1f} tok/s -> {summary['aggregate_ratio']:.2f}x")
@@ -352,6 +365,11 @@ def main() -> None:
     print(f"millm {n} streams (HTTP) / {n}-sequence ceiling: {c['millm_over_ceiling']:.2f} (target >= 0.9; "
           f"{c['millm_over_ceiling_with_prefill']:.2f} against the ceiling with its prefill, {c['millm_over_invariant_ceiling']:.2f} against the invariant one)")  # fmt: skip
     print(f"millm {n} streams / llama_cpp.server: {summary['aggregate_ratio']:.2f}x (target >= 3)")
+    print(f"phases of the {n} streams (medians): every stream's first token after {med['millm']['all_first_s']:.2f} s on millm, "
+          f"{med['llama_cpp.server']['all_first_s']:.2f} s on llama_cpp.server (the ceiling's one prefill call: "
+          f"{ceil['default'][f'prefill_s_{n}']:.2f} s); then, while all {n} decode, millm {med['millm']['steady_tok_s']:.1f} and "
+          f"llama_cpp.server {med['llama_cpp.server']['steady_tok_s']:.1f} tok/s: millm's steady decode / the {n}-sequence ceiling "
+          f"{c['millm_steady_over_ceiling']:.2f}")
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
     with open(os.path.join(os.path.dirname(__file__), "results", "gguf.json"), "w") as fh:
         json.dump(summary, fh, indent=2)

@@ -28,8 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
-import httpx  # noqa: E402
 from bench_decode import bench_model_dir, save_results, wait_loaded  # noqa: E402
+from client import CLIENT  # noqa: E402
 
 import millm_core.scheduler as scheduler_module  # noqa: E402
 from millm_core.config import load_settings  # noqa: E402
@@ -46,7 +46,7 @@ def ttft(base_url: str, model: str = "bench") -> float:
     """Seconds from sending a streamed interactive chat to its first content chunk."""
     body = {"model": model, "messages": MESSAGES, "max_tokens": 4, "stream": True, "temperature": 0}
     started = time.perf_counter()
-    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=600) as resp:
+    with CLIENT.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=600) as resp:
         for line in resp.iter_lines():
             if '"content":"' in line.replace(" ", "") and '"content":""' not in line.replace(" ", ""):
                 return time.perf_counter() - started
@@ -56,7 +56,7 @@ def ttft(base_url: str, model: str = "bench") -> float:
 def agent(base_url: str, stop: threading.Event, model: str = "bench") -> None:
     body = {"model": f"{model}@agent", "prompt": "Write about the sea.", "max_tokens": 256, "temperature": 0}
     while not stop.is_set():
-        httpx.post(base_url + "/v1/completions", json=body, timeout=600)
+        CLIENT.post(base_url + "/v1/completions", json=body, timeout=600)
 
 
 @runtime_checkable

@@ -40,9 +40,10 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
-import httpx  # noqa: E402
 from bench_decode import smollm2_dir  # noqa: E402
 from bench_gguf import Server, free_port  # noqa: E402
+from client import CLIENT  # noqa: E402
+from phases import content_chunk, now, phases  # noqa: E402
 
 PROMPTS = ["Tell me about the sea.", "hi", "What is 2 + 2? Explain step by step.", "Write a haiku.",
            "List three colours.", "Why is the sky blue?", "Say hello in French and in German.", "ok"]  # fmt: skip  # tests/e2e/test_invariance_e2e.py
@@ -63,18 +64,21 @@ def start(name: str, model_dir: str, threads: int | None) -> Server:
     return Server(name, args, port, env=env)
 
 
-def stream(server: Server, prompt: str, tokens: int) -> tuple[str, int]:
-    """(text, completion tokens) of one greedy streaming chat completion."""
+def stream(server: Server, prompt: str, tokens: int, arrivals: list[float] | None = None) -> tuple[str, int]:
+    """(text, completion tokens) of one greedy streaming chat completion; the arrival time of
+    each content chunk goes into ``arrivals`` when given."""
     body = {"model": server.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     parts: list[str] = []
     usage: int | None = None
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=900) as resp:
+    with CLIENT.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=900) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
+            if arrivals is not None and content_chunk(chunk):
+                arrivals.append(now())
             for choice in chunk.get("choices") or []:
                 if content := (choice.get("delta") or {}).get("content"):
                     parts.append(content)
@@ -83,27 +87,30 @@ def stream(server: Server, prompt: str, tokens: int) -> tuple[str, int]:
     return "".join(parts), usage if usage is not None else len(parts)
 
 
-def at_once(server: Server, prompts: list[str], tokens: int) -> tuple[list[str], float]:
-    """Texts of ``prompts`` sent at once, and aggregate tok/s (first send to last finish)."""
+def at_once(server: Server, prompts: list[str], tokens: int) -> tuple[list[str], float, dict[str, float]]:
+    """Texts of ``prompts`` sent at once, aggregate tok/s (first send to last finish) and the
+    run's two phases (bench/phases.py)."""
     out: list[tuple[str, int]] = [("", 0)] * len(prompts)
+    arrivals: list[list[float]] = [[] for _ in prompts]
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
         try:
-            out[i] = stream(server, prompts[i], tokens)
+            out[i] = stream(server, prompts[i], tokens, arrivals[i])
         except Exception as exc:  # reported after the join
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    started = time.perf_counter()
+    started = now()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - started
+    wall = now() - started
     if errors:
         raise RuntimeError(f"{server.name}: {len(errors)} of {len(prompts)} streams failed: {errors[0]!r}")
-    return [text for text, _ in out], sum(n for _, n in out) / wall
+    tokens_sent = sum(n for _, n in out)
+    return [text for text, _ in out], tokens_sent / wall, {**phases(arrivals, started), "tokens": tokens_sent}
 
 
 def measure(name: str, model_dir: str, args: argparse.Namespace, invariance: bool) -> dict[str, Any]:
@@ -116,11 +123,11 @@ def measure(name: str, model_dir: str, args: argparse.Namespace, invariance: boo
         _, n = stream(server, PROMPTS[0], args.tokens)
         single = n / (time.perf_counter() - started)
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.streams)]
-        different, aggregate = at_once(server, prompts, args.tokens // 2)
-        row: dict[str, Any] = {"single": single, "aggregate": aggregate, "load_s": loaded}
+        different, aggregate, phase = at_once(server, prompts, args.tokens // 2)
+        row: dict[str, Any] = {"single": single, "aggregate": aggregate, "load_s": loaded, **phase}
         if invariance:
             solo = {p: stream(server, p, args.tokens // 2)[0] for p in dict.fromkeys(prompts)}
-            same, _ = at_once(server, [PROMPTS[0]] * args.streams, args.tokens // 2)
+            same, _, _ = at_once(server, [PROMPTS[0]] * args.streams, args.tokens // 2)
             row["invariance"] = {
                 "identical_equal_solo": sum(t == solo[PROMPTS[0]] for t in same),
                 "identical_distinct_texts": len(set(same)),
@@ -155,7 +162,7 @@ def main() -> None:
                     raise
                 peer_error = f"{type(exc).__name__}: {exc}"
                 print(f"{PEER}: unavailable ({peer_error})", flush=True)
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in ("single", "aggregate")} for name, rs in rows.items() if rs}
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in ("single", "aggregate", "all_first_s", "steady_tok_s", "tokens")} for name, rs in rows.items() if rs}
     inv = {name: next((r["invariance"] for r in rs if "invariance" in r), None) for name, rs in rows.items() if rs}
     summary: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct (bfloat16, CPU)",
@@ -179,7 +186,12 @@ def main() -> None:
     if MILLM in med and PEER in med:
         summary["single_ratio"] = med[MILLM]["single"] / med[PEER]["single"]
         summary["aggregate_ratio"] = med[MILLM]["aggregate"] / med[PEER]["aggregate"]
+        summary["steady_ratio"] = med[MILLM]["steady_tok_s"] / med[PEER]["steady_tok_s"]
         print(f"millm / peer: 1 stream {summary['single_ratio']:.2f}x, {args.streams} streams {summary['aggregate_ratio']:.2f}x")
+        print(f"phases of the {args.streams} streams (medians): every first token after {med[MILLM]['all_first_s']:.2f} s (millm) and "
+              f"{med[PEER]['all_first_s']:.2f} s (peer); then, while all decode, {med[MILLM]['steady_tok_s']:.1f} against "
+              f"{med[PEER]['steady_tok_s']:.1f} tok/s ({summary['steady_ratio']:.2f}x); completion tokens of the run "
+              f"{med[MILLM]['tokens']:.0f} and {med[PEER]['tokens']:.0f} of {args.streams * (args.tokens // 2)}")
     else:
         print(f"{PEER} unavailable: {peer_error}")
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)

@@ -24,8 +24,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
-import httpx  # noqa: E402
 from bench_decode import bench_model_dir, save_results, smollm2_dir, wait_loaded  # noqa: E402
+from client import CLIENT  # noqa: E402
 
 from millm_core.config import load_settings  # noqa: E402
 from millm_core.engine import ModelLocation  # noqa: E402
@@ -59,7 +59,7 @@ def ttft(base_url: str, system: str, question: str) -> tuple[float, int]:
     started = time.perf_counter()
     first: float | None = None
     cached = -1
-    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=900) as resp:
+    with CLIENT.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=900) as resp:
         for line in resp.iter_lines():
             if not line.startswith("data: {"):
                 continue

@@ -26,9 +26,9 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
-import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_decode import bench_model_dir, save_results, smollm2_dir  # noqa: E402
+from client import CLIENT  # noqa: E402
 
 from millm_core.config import load_settings  # noqa: E402
 from millm_core.engine import ModelLocation  # noqa: E402
@@ -69,7 +69,7 @@ def probe(engine: Any, index: int, layer: int, aggregation: str, read_point: str
 def chat(base_url: str, prompt: str, tokens: int) -> tuple[int, float, bool]:
     body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "temperature": 0}
     started = time.perf_counter()
-    reply = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=600).json()
+    reply = CLIENT.post(base_url + "/v1/chat/completions", json=body, timeout=600).json()
     return int(reply["usage"]["completion_tokens"]), time.perf_counter() - started, "millm_probe_verdicts" in reply
 
 
@@ -111,16 +111,16 @@ def run(name: str, path: str, dtype: str, tokens: int, concurrent: int, repeats:
         ]
         documents = [app.state.millm.scheduler.call(lambda i=i, s=s: probe(engine, i, *s)).result() for i, s in enumerate(specs)]
         for doc in documents:
-            assert httpx.post(api + "/api/probes/import", json=doc).status_code == 201
+            assert CLIENT.post(api + "/api/probes/import", json=doc).status_code == 201
         windows = [["all", "response"], ["response", "last_user"], ["prompt", "response"], ["all", "last_user"]]
 
         def set_armed(on: bool) -> None:
             for doc, wins in zip(documents, windows, strict=True):
                 if on:
-                    resp = httpx.post(f"{api}/api/probes/{doc['id']}/arm", json={"windows": wins}, timeout=120)
+                    resp = CLIENT.post(f"{api}/api/probes/{doc['id']}/arm", json={"windows": wins}, timeout=120)
                     assert resp.status_code == 200, resp.text
                 else:
-                    httpx.post(f"{api}/api/probes/{doc['id']}/disarm", json={})
+                    CLIENT.post(f"{api}/api/probes/{doc['id']}/disarm", json={})
 
         samples: dict[str, list[float]] = {"none_1": [], "armed_1": [], f"none_{concurrent}": [], f"armed_{concurrent}": []}
         for armed in (False, True):  # warm-up

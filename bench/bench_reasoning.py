@@ -20,8 +20,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
-import httpx  # noqa: E402
 from bench_decode import aggregate_rate, save_results, smollm2_dir, wait_loaded  # noqa: E402
+from client import CLIENT  # noqa: E402
 
 from millm_core.config import load_settings  # noqa: E402
 from millm_core.engine import ModelLocation  # noqa: E402
@@ -36,7 +36,7 @@ PROMPTS = ["Write about the sea.", "Describe a market.", "Explain bread.", "A le
 
 def chat(base_url: str, prompt: str, tokens: int, reasoning: bool) -> int:
     body: dict[str, Any] = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "temperature": 0}
-    response = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=600)
+    response = CLIENT.post(base_url + "/v1/chat/completions", json=body, timeout=600)
     reply = response.json()
     assert ("x-millm-reasoning" in response.headers) == reasoning, response.headers
     return int(reply["usage"]["completion_tokens"])

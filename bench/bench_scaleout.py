@@ -29,8 +29,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
-import httpx  # noqa: E402
 from bench_decode import save_results  # noqa: E402
+from client import CLIENT  # noqa: E402
 
 from millm_core.config import load_settings  # noqa: E402
 from millm_core.logs import configure_logging  # noqa: E402
@@ -42,7 +42,7 @@ PROMPTS = ["Write about the sea.", "Describe a market.", "Explain bread.", "A le
 
 def complete(base_url: str, prompt: str, tokens: int) -> tuple[int, str]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": tokens, "temperature": 0}
-    resp = httpx.post(base_url + "/v1/completions", json=body, timeout=600)
+    resp = CLIENT.post(base_url + "/v1/completions", json=body, timeout=600)
     resp.raise_for_status()
     return int(resp.json()["usage"]["completion_tokens"]), resp.headers["x-millm-replica"]
 

@@ -22,10 +22,10 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
-import httpx  # noqa: E402
 import torch  # noqa: E402
-
 from bench_decode import bench_model_dir, save_results, smollm2_dir  # noqa: E402
+from client import CLIENT  # noqa: E402
+
 from millm_core.config import load_settings  # noqa: E402
 from millm_core.engine import ModelLocation  # noqa: E402
 from millm_core.logs import configure_logging  # noqa: E402
@@ -83,7 +83,7 @@ def run_model(name: str, path: str, dtype: str, repeats: int) -> dict[str, Any]:
 
         def http() -> float:
             start = time.perf_counter()
-            resp = httpx.post(server.base_url + "/v1/completions", json=body, timeout=600)
+            resp = CLIENT.post(server.base_url + "/v1/completions", json=body, timeout=600)
             assert resp.status_code == 200, resp.text
             return len(ids) / (time.perf_counter() - start)
 

@@ -29,8 +29,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
-import httpx  # noqa: E402
 from bench_decode import save_results, smollm2_dir, wait_loaded  # noqa: E402
+from client import CLIENT  # noqa: E402
 
 from millm_core.config import load_settings  # noqa: E402
 from millm_core.engine import ModelLocation  # noqa: E402
@@ -52,7 +52,7 @@ def chat(base_url: str, prompt: str, tokens: int, constrained: bool) -> tuple[in
     if constrained:
         body["response_format"] = STORY
     started = time.perf_counter()
-    reply = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=600).json()
+    reply = CLIENT.post(base_url + "/v1/chat/completions", json=body, timeout=600).json()
     return int(reply["usage"]["completion_tokens"]), time.perf_counter() - started
 
 
@@ -100,7 +100,7 @@ def main() -> None:
     batch: dict[str, list[float]] = {"free": [], "constrained": []}
     with RunningServer(app) as server:
         wait_loaded(app)
-        while httpx.post(  # warm-up: the server builds its own vocabulary first (503 meanwhile)
+        while CLIENT.post(  # warm-up: the server builds its own vocabulary first (503 meanwhile)
             server.base_url + "/v1/chat/completions",
             json={"model": "bench", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "response_format": STORY},
             timeout=600,
