@@ -47,7 +47,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from client import CLIENT  # noqa: E402
-from phases import content_chunk, now, phases  # noqa: E402
+from phases import content_chunk, jsonable, median, now, phases, shown  # noqa: E402
 
 PROMPTS = [
     "Write a detailed story about a lighthouse keeper who finds a map.",
@@ -309,7 +309,7 @@ def main() -> None:
         [sys.executable, "-m", "millm_core.cli", "serve", "--engine", "gguf", "--port", str(millm_port), "--threads", env_threads, "--log-level", "warning", "--db", ":memory:"],
         millm_port,
     )
-    results: dict[str, dict[str, list[float]]] = {s.name: {"single": [], "aggregate": [], "cut": [], "all_first_s": [], "steady_tok_s": []} for s in (peer, ours)}
+    results: dict[str, dict[str, list[float]]] = {s.name: {"single": [], "aggregate": [], "cut": [], "all_first_s": [], "steady_tok_s": [], "steady_window_s": [], "steady_chunks": []} for s in (peer, ours)}
     try:
         for server in (peer, ours):  # warm-up
             one_stream(server, 8)
@@ -322,12 +322,12 @@ def main() -> None:
                 for key, value in phase.items():
                     results[server.name][key].append(value)
                 print(f"{server.name:18s} repeat {repeat}: 1 stream {results[server.name]['single'][-1]:.1f} tok/s, "
-                      f"{args.streams} streams {rate:.1f} tok/s aggregate (every first token at {phase['all_first_s']:.2f} s, "
-                      f"then {phase['steady_tok_s']:.1f} tok/s), cut short {cut}/{args.streams}", flush=True)
+                      f"{args.streams} streams {rate:.1f} tok/s aggregate (every first token at {shown(phase['all_first_s'], '.2f')} s, "
+                      f"then {shown(phase['steady_tok_s'])} chunks/s over {shown(phase['steady_window_s'], '.2f')} s), cut short {cut}/{args.streams}", flush=True)
     finally:
         peer.stop()
         ours.stop()
-    med = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in results.items()}
+    med = {name: {k: median(v) for k, v in r.items()} for name, r in results.items()}
     summary = {
         "model": os.path.basename(gguf),
         "threads": args.threads,
@@ -365,14 +365,15 @@ def main() -> None:
     print(f"millm {n} streams (HTTP) / {n}-sequence ceiling: {c['millm_over_ceiling']:.2f} (target >= 0.9; "
           f"{c['millm_over_ceiling_with_prefill']:.2f} against the ceiling with its prefill, {c['millm_over_invariant_ceiling']:.2f} against the invariant one)")  # fmt: skip
     print(f"millm {n} streams / llama_cpp.server: {summary['aggregate_ratio']:.2f}x (target >= 3)")
-    print(f"phases of the {n} streams (medians): every stream's first token after {med['millm']['all_first_s']:.2f} s on millm, "
-          f"{med['llama_cpp.server']['all_first_s']:.2f} s on llama_cpp.server (the ceiling's one prefill call: "
-          f"{ceil['default'][f'prefill_s_{n}']:.2f} s); then, while all {n} decode, millm {med['millm']['steady_tok_s']:.1f} and "
-          f"llama_cpp.server {med['llama_cpp.server']['steady_tok_s']:.1f} tok/s: millm's steady decode / the {n}-sequence ceiling "
-          f"{c['millm_steady_over_ceiling']:.2f}")
+    m, p = med["millm"], med["llama_cpp.server"]
+    print(f"phases of the {n} streams (medians): every stream's first token after {shown(m['all_first_s'], '.2f')} s on millm, "
+          f"{shown(p['all_first_s'], '.2f')} s on llama_cpp.server (the ceiling's one prefill call: {ceil['default'][f'prefill_s_{n}']:.2f} s); "
+          f"then, while all {n} decode, millm {shown(m['steady_tok_s'])} content chunks/s over {shown(m['steady_window_s'], '.2f')} s "
+          f"({shown(m['steady_chunks'], '.0f')} chunks), llama_cpp.server {shown(p['steady_tok_s'])} (n/a: one request at a time); "
+          f"millm's steady decode / the {n}-sequence ceiling {shown(c['millm_steady_over_ceiling'], '.2f')}")
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
     with open(os.path.join(os.path.dirname(__file__), "results", "gguf.json"), "w") as fh:
-        json.dump(summary, fh, indent=2)
+        json.dump(jsonable(summary), fh, indent=2, allow_nan=False)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import threading
 import time
@@ -43,7 +42,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import smollm2_dir  # noqa: E402
 from bench_gguf import Server, free_port  # noqa: E402
 from client import CLIENT  # noqa: E402
-from phases import content_chunk, now, phases  # noqa: E402
+from phases import content_chunk, jsonable, median, now, phases, shown  # noqa: E402
 
 PROMPTS = ["Tell me about the sea.", "hi", "What is 2 + 2? Explain step by step.", "Write a haiku.",
            "List three colours.", "Why is the sky blue?", "Say hello in French and in German.", "ok"]  # fmt: skip  # tests/e2e/test_invariance_e2e.py
@@ -162,7 +161,7 @@ def main() -> None:
                     raise
                 peer_error = f"{type(exc).__name__}: {exc}"
                 print(f"{PEER}: unavailable ({peer_error})", flush=True)
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in ("single", "aggregate", "all_first_s", "steady_tok_s", "tokens")} for name, rs in rows.items() if rs}
+    med = {name: {k: median(float(r[k]) for r in rs) for k in ("single", "aggregate", "all_first_s", "steady_tok_s", "steady_window_s", "steady_chunks", "tokens")} for name, rs in rows.items() if rs}
     inv = {name: next((r["invariance"] for r in rs if "invariance" in r), None) for name, rs in rows.items() if rs}
     summary: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct (bfloat16, CPU)",
@@ -188,15 +187,18 @@ def main() -> None:
         summary["aggregate_ratio"] = med[MILLM]["aggregate"] / med[PEER]["aggregate"]
         summary["steady_ratio"] = med[MILLM]["steady_tok_s"] / med[PEER]["steady_tok_s"]
         print(f"millm / peer: 1 stream {summary['single_ratio']:.2f}x, {args.streams} streams {summary['aggregate_ratio']:.2f}x")
-        print(f"phases of the {args.streams} streams (medians): every first token after {med[MILLM]['all_first_s']:.2f} s (millm) and "
-              f"{med[PEER]['all_first_s']:.2f} s (peer); then, while all decode, {med[MILLM]['steady_tok_s']:.1f} against "
-              f"{med[PEER]['steady_tok_s']:.1f} tok/s ({summary['steady_ratio']:.2f}x); completion tokens of the run "
-              f"{med[MILLM]['tokens']:.0f} and {med[PEER]['tokens']:.0f} of {args.streams * (args.tokens // 2)}")
+        m, p = med[MILLM], med[PEER]
+        print(f"phases of the {args.streams} streams (medians): every first token after {shown(m['all_first_s'], '.2f')} s (millm) and "
+              f"{shown(p['all_first_s'], '.2f')} s (peer); then, while all decode, {shown(m['steady_tok_s'])} against "
+              f"{shown(p['steady_tok_s'])} content chunks/s ({shown(summary['steady_ratio'], '.2f')}x), over windows of "
+              f"{shown(m['steady_window_s'], '.2f')} and {shown(p['steady_window_s'], '.2f')} s ({shown(m['steady_chunks'], '.0f')} and "
+              f"{shown(p['steady_chunks'], '.0f')} chunks); completion tokens of the run {m['tokens']:.0f} and {p['tokens']:.0f} "
+              f"of {args.streams * (args.tokens // 2)}")
     else:
         print(f"{PEER} unavailable: {peer_error}")
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
     with open(os.path.join(os.path.dirname(__file__), "results", "peers.json"), "w") as fh:
-        json.dump(summary, fh, indent=2)
+        json.dump(jsonable(summary), fh, indent=2, allow_nan=False)
 
 
 if __name__ == "__main__":
