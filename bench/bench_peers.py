@@ -8,6 +8,10 @@ server, started alone, measured and stopped, greedy streaming chat completions m
   - ``--streams`` (8) streams of ``--tokens // 2`` (64) tokens, different prompts, sent at
     once: aggregate tok/s = completion tokens / wall time from the first send to the last
     finish;
+  - the same with prompts whose replies run the whole ``--tokens // 2`` (bench_gguf's
+    story prompts), split into its two phases (bench/phases.py): when every stream had
+    its first token, and the aggregate while all of them decode (the short prompts above
+    end some replies after a dozen tokens, which leaves that phase a few steps long);
   - batch invariance (first round only: the peer is slow on this machine): each prompt's
     solo text (one request at a time), then the first prompt 8 times at once (how many
     equal its solo text, how many distinct texts), and the 8 different prompts at once
@@ -40,6 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_decode import smollm2_dir  # noqa: E402
+from bench_gguf import PROMPTS as LONG_PROMPTS  # noqa: E402
 from bench_gguf import Server, free_port  # noqa: E402
 from client import CLIENT  # noqa: E402
 from phases import content_chunk, jsonable, median, now, phases, shown  # noqa: E402
@@ -122,8 +127,10 @@ def measure(name: str, model_dir: str, args: argparse.Namespace, invariance: boo
         _, n = stream(server, PROMPTS[0], args.tokens)
         single = n / (time.perf_counter() - started)
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.streams)]
-        different, aggregate, phase = at_once(server, prompts, args.tokens // 2)
-        row: dict[str, Any] = {"single": single, "aggregate": aggregate, "load_s": loaded, **phase}
+        different, aggregate, short = at_once(server, prompts, args.tokens // 2)
+        _, long_aggregate, phase = at_once(server, [LONG_PROMPTS[i % len(LONG_PROMPTS)] for i in range(args.streams)], args.tokens // 2)
+        row: dict[str, Any] = {"single": single, "aggregate": aggregate, "load_s": loaded, "tokens": short["tokens"],
+                               "long_aggregate": long_aggregate, "long_tokens": phase.pop("tokens"), **phase}  # fmt: skip
         if invariance:
             solo = {p: stream(server, p, args.tokens // 2)[0] for p in dict.fromkeys(prompts)}
             same, _, _ = at_once(server, [PROMPTS[0]] * args.streams, args.tokens // 2)
@@ -161,7 +168,7 @@ def main() -> None:
                     raise
                 peer_error = f"{type(exc).__name__}: {exc}"
                 print(f"{PEER}: unavailable ({peer_error})", flush=True)
-    med = {name: {k: median(float(r[k]) for r in rs) for k in ("single", "aggregate", "all_first_s", "steady_tok_s", "steady_window_s", "steady_chunks", "tokens")} for name, rs in rows.items() if rs}
+    med = {name: {k: median(float(r[k]) for r in rs) for k in ("single", "aggregate", "tokens", "long_aggregate", "long_tokens", "all_first_s", "steady_tok_s", "steady_window_s", "steady_chunks")} for name, rs in rows.items() if rs}
     inv = {name: next((r["invariance"] for r in rs if "invariance" in r), None) for name, rs in rows.items() if rs}
     summary: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct (bfloat16, CPU)",
@@ -188,12 +195,15 @@ def main() -> None:
         summary["steady_ratio"] = med[MILLM]["steady_tok_s"] / med[PEER]["steady_tok_s"]
         print(f"millm / peer: 1 stream {summary['single_ratio']:.2f}x, {args.streams} streams {summary['aggregate_ratio']:.2f}x")
         m, p = med[MILLM], med[PEER]
-        print(f"phases of the {args.streams} streams (medians): every first token after {shown(m['all_first_s'], '.2f')} s (millm) and "
+        summary["long_aggregate_ratio"] = med[MILLM]["long_aggregate"] / med[PEER]["long_aggregate"]
+        print(f"{args.streams} streams of long replies: {med[MILLM]['long_aggregate']:.1f} against {med[PEER]['long_aggregate']:.1f} tok/s "
+              f"({summary['long_aggregate_ratio']:.2f}x; {med[MILLM]['long_tokens']:.0f} and {med[PEER]['long_tokens']:.0f} tokens)")
+        print(f"their phases (medians): every first token after {shown(m['all_first_s'], '.2f')} s (millm) and "
               f"{shown(p['all_first_s'], '.2f')} s (peer); then, while all decode, {shown(m['steady_tok_s'])} against "
               f"{shown(p['steady_tok_s'])} content chunks/s ({shown(summary['steady_ratio'], '.2f')}x), over windows of "
               f"{shown(m['steady_window_s'], '.2f')} and {shown(p['steady_window_s'], '.2f')} s ({shown(m['steady_chunks'], '.0f')} and "
-              f"{shown(p['steady_chunks'], '.0f')} chunks); completion tokens of the run {m['tokens']:.0f} and {p['tokens']:.0f} "
-              f"of {args.streams * (args.tokens // 2)}")
+              f"{shown(p['steady_chunks'], '.0f')} chunks); completion tokens of the short-prompt run {m['tokens']:.0f} and "
+              f"{p['tokens']:.0f} of {args.streams * (args.tokens // 2)}")
     else:
         print(f"{PEER} unavailable: {peer_error}")
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
