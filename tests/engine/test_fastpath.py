@@ -81,3 +81,53 @@ def test_unsupported_architectures_are_named(tiny_engine) -> None:  # type: igno
     assert unsupported_reason(model) == "activation is not silu"
     model.config.model_type = "gpt2"
     assert "no fast decode path" in str(unsupported_reason(model))
+
+
+def _cache(rows: int, length: int, seed: int) -> KVCache:
+    """Two layers of ``rows`` rows filled over ``length`` columns with random values, then
+    a few columns of headroom that hold NaN (what merging must never copy as data)."""
+    g = torch.Generator().manual_seed(seed)
+    stores = [torch.full((rows, 2, length + 3, 4), float("nan")) for _ in range(4)]
+    for t in stores:
+        t[:, :, :length] = torch.randn((rows, 2, length, 4), generator=g)
+    return KVCache(stores[:2], stores[2:], length)
+
+
+def _right_aligned(caches: list[KVCache]) -> list[torch.Tensor]:
+    """The merge as plain concatenation: every cache's rows right-aligned to the longest,
+    zeros on the left (keys of each layer, then values)."""
+    length = max(c.length for c in caches)
+    out = []
+    for store in ("keys", "values"):
+        for layer in range(2):
+            parts = [torch.nn.functional.pad(getattr(c, store)[layer][:, :, : c.length], (0, 0, length - c.length, 0)) for c in caches]
+            out.append(torch.cat(parts))
+    return out
+
+
+@torch.inference_mode()
+def test_merging_joined_rows_right_aligns_them_and_copies_the_running_rows_only_when_it_must() -> None:
+    running, first, second, longer = _cache(2, 9, 0), _cache(1, 5, 1), _cache(2, 9, 2), _cache(1, 12, 3)
+    merged = KVCache.merge(running, first)
+    again = KVCache.merge(merged, second)  # no longer than the batch: into the rows the first merge left free
+    assert again.length == 9 and again.keys[0].shape[0] == 5
+    assert again.keys[0].data_ptr() == merged.keys[0].data_ptr() and again.values[1].data_ptr() == merged.values[1].data_ptr()
+    got = [t[:, :, : again.length] for t in (*again.keys, *again.values)]
+    assert all(torch.equal(a, b) for a, b in zip(got, _right_aligned([running, first, second]), strict=True))
+    over = KVCache.merge(again, second)  # two more rows than the first merge left free: new tensors
+    assert over.keys[0].shape[0] == 7 and over.keys[0].data_ptr() != again.keys[0].data_ptr()
+    got = [t[:, :, : over.length] for t in (*over.keys, *over.values)]
+    assert all(torch.equal(a, b) for a, b in zip(got, _right_aligned([running, first, second, second]), strict=True))
+    grown = KVCache.merge(again, longer)  # longer than the batch: every row moves right, into new tensors
+    assert grown.length == 12 and grown.keys[0].data_ptr() != again.keys[0].data_ptr()
+    got = [t[:, :, : grown.length] for t in (*grown.keys, *grown.values)]
+    assert all(torch.equal(a, b) for a, b in zip(got, _right_aligned([running, first, second, longer]), strict=True))
+    kept = _right_aligned([running, first, second, longer])
+    joined = [torch.nn.functional.pad(t[:, :, :5], (0, 0, 12 - 5, 0)) for t in (*first.keys, *first.values)]
+    for order, in_place in (([0, 2, 5], True), ([2, 0], False)):
+        cache = KVCache.merge(again, longer)
+        cache.select(torch.tensor(order))  # rows left: kept in place when in order (the freed rows spare), else copied
+        after = KVCache.merge(cache, first)
+        assert (after.keys[0].data_ptr() == cache.keys[0].data_ptr()) is in_place
+        expected = [torch.cat([t[order], j]) for t, j in zip(kept, joined, strict=True)]
+        assert all(torch.equal(t[:, :, :12], e) for t, e in zip((*after.keys, *after.values), expected, strict=True))
