@@ -111,6 +111,7 @@ class KVCache:
         if self.length + columns <= capacity:
             return
         grow = max(_GROW, capacity)
+        self._full = None  # new tensors: the old ones (and their spare rows) are freed
         for store in (self.keys, self.values):
             for i, t in enumerate(store):
                 bigger = t.new_empty((t.shape[0], t.shape[1], capacity + grow, t.shape[3]))
@@ -122,11 +123,12 @@ class KVCache:
         """Keep the rows ``index`` names, in that order. Where it names them in ascending
         order and the cache views tensors with rows to spare (see :meth:`merge`), the kept
         rows after the first dropped one move up in place (their filled columns) and the
-        rows freed become spare for the next join; otherwise every kept row is copied into
-        new tensors."""
+        rows freed become spare for the next join; otherwise, and once a quarter or less of
+        those tensors' rows would stay in use (their memory is then given back), every kept
+        row is copied into new tensors."""
         keep = [int(i) for i in index.tolist()]
         room = self._room(0)
-        if room is None or any(a >= b for a, b in zip(keep, keep[1:], strict=False)):
+        if room is None or 4 * len(keep) <= room[0][0].shape[0] or any(a >= b for a, b in zip(keep, keep[1:], strict=False)):
             self.keys = [k.index_select(0, index) for k in self.keys]
             self.values = [v.index_select(0, index) for v in self.values]
             self._full = None

@@ -124,9 +124,13 @@ def test_merging_joined_rows_right_aligns_them_and_copies_the_running_rows_only_
     assert all(torch.equal(a, b) for a, b in zip(got, _right_aligned([running, first, second, longer]), strict=True))
     kept = _right_aligned([running, first, second, longer])
     joined = [torch.nn.functional.pad(t[:, :, :5], (0, 0, 12 - 5, 0)) for t in (*first.keys, *first.values)]
-    for order, in_place in (([0, 2, 5], True), ([2, 0], False)):
+    # Rows leave: kept in place when in order (the freed rows spare); copied when out of
+    # order, or when a quarter or less of the tensors' 12 rows stays in use (memory given back).
+    for order, in_place, grow in (([0, 2, 4, 5], True, False), ([2, 0, 4, 5], False, False), ([0, 2, 5], False, False), ([0, 2, 4, 5], False, True)):
         cache = KVCache.merge(again, longer)
-        cache.select(torch.tensor(order))  # rows left: kept in place when in order (the freed rows spare), else copied
+        cache.select(torch.tensor(order))
+        if grow:  # grown: new tensors without spare rows
+            cache.reserve(cache.keys[0].shape[2])
         after = KVCache.merge(cache, first)
         assert (after.keys[0].data_ptr() == cache.keys[0].data_ptr()) is in_place
         expected = [torch.cat([t[order], j]) for t, j in zip(kept, joined, strict=True)]
