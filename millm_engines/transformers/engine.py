@@ -24,6 +24,7 @@ from millm_core.api import Capability, ModelInfo, NonFiniteLogits, OutOfMemory, 
 
 from .chat import render_chat_ids
 from .fastpath import KVCache, LlamaDecoder
+from .forward import embed, last_logits, residuals
 from .fp32 import Float32Copies
 from .generic import cache_length, join_refusal, merge_caches
 from .memory import available_bytes, shortfall
@@ -33,15 +34,6 @@ from .rewind import PromptEnd, refeed_prompt_ends, refusal, rewind, select
 from .rows import install as install_rows_attention
 from .sampler import apply_biases, apply_masks, sample
 from .taps import Captured, TapSet, block_hook, readouts
-
-EMBED_BATCH = 16
-
-
-SCORE_BATCH = 64
-
-
-class _Stop(Exception):
-    """Raised by a hook to end a forward pass once the wanted block has run."""
 
 
 @dataclass
@@ -582,92 +574,19 @@ class TransformersEngine:
         self, prompts: Sequence[Sequence[int]], *, float32: bool = False, float32_device: str = "auto", headroom_mb: int = 0
     ) -> Any:
         if not float32:
-            return self._last_logits(self.model, prompts)
+            return last_logits(self.model, prompts, self._pad_id)
         with self._fp32.copy_of(self.model, float32_device, headroom_mb) as copy:
-            return self._last_logits(copy, prompts)
-
-    def _last_logits(self, model: Any, prompts: Sequence[Sequence[int]]) -> Any:
-        """One left-padded forward pass per ``SCORE_BATCH`` prompts, last position only."""
-        out = []
-        for start in range(0, len(prompts), SCORE_BATCH):
-            chunk = prompts[start : start + SCORE_BATCH]
-            width = max(len(p) for p in chunk)
-            ids = torch.full((len(chunk), width), self._pad_id, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, prompt in enumerate(chunk):
-                ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-                mask[row, width - len(prompt) :] = 1
-            positions = (mask.cumsum(-1) - 1).clamp_(min=0)
-            padded = any(len(p) != width for p in chunk)
-            device = next(model.parameters()).device  # a float32 copy may live elsewhere
-            logits = model(
-                input_ids=ids.to(device),
-                attention_mask=mask.to(device) if padded else None,
-                position_ids=positions.to(device),
-                use_cache=False,
-                logits_to_keep=1,
-            ).logits[:, -1, :]
-            out.append(logits.float().cpu())
-        return torch.cat(out).numpy()
+            return last_logits(copy, prompts, self._pad_id)
 
     # ------------------------------------------------------------------ embeddings
 
-    def _right_padded(self, chunk: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ids, attention mask)`` for sequences padded on the right."""
-        width = max(len(seq) for seq in chunk)
-        ids = torch.full((len(chunk), width), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for row, seq in enumerate(chunk):
-            ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
-            mask[row, : len(seq)] = 1
-        return ids, mask
-
-    @torch.inference_mode()
     def embed(self, inputs: Sequence[Sequence[int]], pooling: str) -> list[list[float]]:
-        """Pooled last hidden states, right-padded batches of ``EMBED_BATCH``."""
-        base = self.model.base_model
-        vectors: list[list[float]] = []
-        for start in range(0, len(inputs), EMBED_BATCH):
-            chunk = inputs[start : start + EMBED_BATCH]
-            lengths = torch.tensor([len(ids) for ids in chunk])
-            ids, mask = self._right_padded(chunk)
-            hidden = base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state.float()
-            if pooling == "last":
-                pooled = hidden[torch.arange(len(chunk)), lengths - 1]
-            elif pooling == "cls":
-                pooled = hidden[:, 0]
-            else:
-                weights = mask.to(hidden.device, hidden.dtype)[..., None]
-                pooled = (hidden * weights).sum(1) / weights.sum(1)
-            vectors.extend(pooled.cpu().tolist())
-        return vectors
+        """Pooled last hidden states (see :func:`.forward.embed`)."""
+        return embed(self.model, inputs, pooling, self._pad_id, self.device)
 
     def residuals(self, inputs: Sequence[Sequence[int]], layer: int) -> list[Any]:
-        """Block ``layer``'s output per position, right-padded batches of ``EMBED_BATCH``;
-        the blocks after ``layer`` are not run."""
-        blocks = self.model.model.layers
-        if not 0 <= layer < len(blocks):
-            raise ValueError(f"layer {layer} is outside 0..{len(blocks) - 1}")
-        out: list[Any] = []
-        captured: list[torch.Tensor] = []
-
-        def grab(module: Any, args: Any, output: Any) -> Any:
-            captured.append((output[0] if isinstance(output, tuple) else output).float())
-            raise _Stop
-
-        handle = blocks[layer].register_forward_hook(grab)
-        try:
-            for start in range(0, len(inputs), EMBED_BATCH):
-                chunk = inputs[start : start + EMBED_BATCH]
-                ids, mask = self._right_padded(chunk)
-                captured.clear()
-                with contextlib.suppress(_Stop), torch.inference_mode():
-                    self.model.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
-                hidden = captured[0].cpu().numpy()
-                out.extend(hidden[row, : len(seq)].copy() for row, seq in enumerate(chunk))
-        finally:
-            handle.remove()
-        return out
+        """Block ``layer``'s output per position (see :func:`.forward.residuals`)."""
+        return residuals(self.model, inputs, layer, self._pad_id, self.device)
 
     def close(self, batch: HFBatch) -> None:
         self._rows = 0
