@@ -203,11 +203,43 @@ class KVCache:
         return cls(keys, values, length, full)
 
 
+def grouping_refusal(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int, scale: float) -> str | None:
+    """Why rows that attend over the same cache columns cannot share one SDPA call here
+    (None: they can): on random inputs of a few lengths and row counts, one call over the
+    rows must equal one call per row bit for bit. (Measured exact on the CPU's flash
+    attention, float32 and bfloat16: each row and head is reduced on its own.)"""
+    g = torch.Generator().manual_seed(0)
+    gqa = heads != kv_heads
+    for length in (1, 33, 300):
+        for rows in (2, 3, 8):
+            q = torch.randn((rows, heads, 1, head_dim), generator=g).to(device, dtype)
+            k, v = (torch.randn((rows, kv_heads, length, head_dim), generator=g).to(device, dtype) for _ in range(2))
+            together = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+            alone = torch.cat([F.scaled_dot_product_attention(q[r : r + 1], k[r : r + 1], v[r : r + 1], scale=scale, enable_gqa=gqa) for r in range(rows)])
+            if not torch.equal(together, alone):
+                return f"one attention call over {rows} rows of {length} columns differs from one call per row here"
+    return None
+
+
+def column_groups(starts: list[int], grouped: bool) -> list[tuple[int, int, int]]:
+    """``(first row, end row, first column)`` of each run of consecutive rows that start at
+    the same cache column (one per row when not ``grouped``)."""
+    groups: list[tuple[int, int, int]] = []
+    for r, s in enumerate(starts):
+        if grouped and groups and groups[-1][2] == s:
+            groups[-1] = (groups[-1][0], r + 1, s)
+        else:
+            groups.append((r, r + 1, s))
+    return groups
+
+
 class LlamaDecoder:
     """The lean decode step; build once per loaded model. Unless ``packing`` says why not
     (None: try), its bf16 matrix products use blocked weight copies where this CPU passes
     their check (see :mod:`.packed`; ``packing_refusal`` says why not, ``packed_bytes``
-    what they take)."""
+    what they take). Rows that start at the same cache column (a request's ``n`` rows,
+    requests that joined together with prompts of one length) attend in one SDPA call
+    where :func:`grouping_refusal` finds that exact (``grouping_refusal`` says why not)."""
 
     def __init__(self, model: Any, packing: str | None = "not asked for") -> None:
         reason = unsupported_reason(model)
@@ -245,6 +277,7 @@ class LlamaDecoder:
         packed, self.packing_refusal = pack(weights) if packing is None else (None, packing)
         self.packed_bytes = packed.nbytes if packed is not None else 0
         self._linear: Linear = packed.linear if packed is not None else F.linear
+        self.grouping_refusal = grouping_refusal(self.embed.dtype, self.embed.device, self.n_heads, self.n_kv, self.head_dim, self.scaling)
 
     @torch.inference_mode()
     def step(
@@ -264,7 +297,8 @@ class LlamaDecoder:
         to that block's output, as the steering hooks do on the HF forward; ``reads``
         names the rows whose block outputs go into ``captured`` (see :mod:`.taps`).
         ``starts[r]``, when given, is row r's first real cache column: each row then
-        attends over exactly its own columns, with no mask (the row computes as alone)."""
+        attends over exactly its own columns, with no mask (the row computes as alone;
+        consecutive rows with one start share a call where that is exact)."""
         rows = tokens.shape[0]
         linear = self._linear
         hidden = F.embedding(tokens, self.embed)[:, None, :]
@@ -277,6 +311,7 @@ class LlamaDecoder:
         cache.reserve(1)
         t = cache.length
         attn_mask = mask[:, None, None, : t + 1] if mask is not None else None
+        groups = column_groups(starts, self.grouping_refusal is None) if starts is not None else []
         k_end = self.q_size + self.kv_size
         gqa = self.n_kv != self.n_heads
         for i, layer in enumerate(self.layers):
@@ -294,14 +329,11 @@ class LlamaDecoder:
                     q, keys[:, :, : t + 1], values[:, :, : t + 1], attn_mask=attn_mask, scale=self.scaling, enable_gqa=gqa
                 )
             else:  # each row over exactly its own columns, as it would run alone
-                attn = torch.cat(
-                    [
-                        F.scaled_dot_product_attention(
-                            q[r : r + 1], keys[r : r + 1, :, s : t + 1], values[r : r + 1, :, s : t + 1], scale=self.scaling, enable_gqa=gqa
-                        )
-                        for r, s in enumerate(starts)
-                    ]
-                )
+                parts = [
+                    F.scaled_dot_product_attention(q[a:b], keys[a:b, :, s : t + 1], values[a:b, :, s : t + 1], scale=self.scaling, enable_gqa=gqa)
+                    for a, b, s in groups
+                ]
+                attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             hidden = hidden + linear(attn.transpose(1, 2).reshape(rows, 1, self.q_size), layer.w_o)
             x = _rms(hidden, layer.w_post, self.eps)
             gate_up = linear(x, layer.w_gate_up)

@@ -99,3 +99,14 @@ def test_batch_invariant_refuses_a_model_with_no_invariant_path(tiny_dir: str, t
         load_engine(ModelLocation(path=str(eager), served_name="t"), no_fast)
     fp32 = load_settings({"dtype": "float32", "fast_decode": False, "batch_invariant": True}, environ={}, plugin_settings=[FAST_DECODE])
     assert load_engine(ModelLocation(path=str(eager), served_name="t"), fp32).batch_invariant
+
+
+def test_rows_sharing_their_columns_equal_their_solo_tokens(engine) -> None:  # type: ignore[no-untyped-def]
+    # Rows opened together with prompts of one length start at the same cache column and
+    # attend in one call (where the load-time check found that exact); the others alone.
+    prompts = [tuple(engine.encode(t, add_special_tokens=True)) for t in TEXTS[:3]]
+    same = prompts[0]
+    rows = [RowSpec(prompt_ids=p, sampling=GREEDY) for p in (same, same, same, prompts[1], prompts[2], prompts[1])]
+    solo = {p: run(engine, [RowSpec(prompt_ids=p, sampling=GREEDY)])[0] for p in prompts}
+    together = run(engine, rows)
+    assert [together[i] for i in range(len(rows))] == [solo[r.prompt_ids] for r in rows]

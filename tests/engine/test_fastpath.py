@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from transformers import DynamicCache
 
 from millm_core.config import load_settings
 from millm_core.engine import ModelLocation, RowSpec, SamplingParams
-from millm_engines.transformers.fastpath import KVCache, LlamaDecoder, unsupported_reason
+from millm_engines.transformers.fastpath import KVCache, LlamaDecoder, column_groups, grouping_refusal, unsupported_reason
 from millm_engines.transformers.loader import load_engine
 from millm_engines.transformers.settings import FAST_DECODE
 
@@ -135,3 +136,63 @@ def test_merging_joined_rows_right_aligns_them_and_copies_the_running_rows_only_
         assert (after.keys[0].data_ptr() == cache.keys[0].data_ptr()) is in_place
         expected = [torch.cat([t[order], j]) for t, j in zip(kept, joined, strict=True)]
         assert all(torch.equal(t[:, :, :12], e) for t, e in zip((*after.keys, *after.values), expected, strict=True))
+
+
+def test_rows_group_by_runs_of_one_start_column() -> None:
+    assert column_groups([3, 3, 3, 0, 5, 5, 3], grouped=True) == [(0, 3, 3), (3, 4, 0), (4, 6, 5), (6, 7, 3)]
+    assert column_groups([3, 3, 0], grouped=False) == [(0, 1, 3), (1, 2, 3), (2, 3, 0)]
+    assert column_groups([], grouped=True) == []
+
+
+def test_the_grouping_check_refuses_attention_that_depends_on_the_rows_beside(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert grouping_refusal(torch.float32, torch.device("cpu"), 4, 2, 8, 0.35) is None  # what the CPU kernel does here
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def rows_dependent(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = real(q, *args, **kwargs)
+        return out + q.shape[0] * 1e-3  # a value that moves with the rows in the call
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", rows_dependent)
+    assert "differs from one call per row" in str(grouping_refusal(torch.float32, torch.device("cpu"), 4, 2, 8, 0.35))
+
+
+def _rows_logits(model: Any, fast: LlamaDecoder, prompts: list[list[int]], steps: int = 6) -> list[torch.Tensor]:
+    """Greedy lean steps of ``prompts`` (each prefilled alone, right-aligned in one cache,
+    each row attending over its own columns); each step's logits."""
+    length = max(len(p) for p in prompts)
+    caches, tokens = [], []
+    with torch.inference_mode():
+        for prompt in prompts:
+            hf_cache = DynamicCache(config=model.config)
+            out = model(input_ids=torch.tensor([prompt]), cache=hf_cache, use_cache=True)
+            caches.append(KVCache.from_hf(hf_cache))
+            tokens.append(out.logits[0, -1].argmax(-1))
+        cache = caches[0]
+        for other in caches[1:]:
+            cache = KVCache.merge(cache, other)
+        token, pos = torch.stack(tokens), torch.tensor([len(p) for p in prompts])
+        starts = [length - len(p) for p in prompts]
+        logits = []
+        for _ in range(steps):
+            step = fast.step(token, pos, cache, None, starts=starts)
+            logits.append(step)
+            token, pos = step.argmax(-1), pos + 1
+    return logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_sharing_a_start_column_compute_as_with_a_call_per_row(tiny_engine, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """Consecutive rows that start at one cache column attend in one call: every row's
+    logits are bit for bit those of one attention call per row, beside rows of other
+    lengths. (That a row computes as alone is test_batch_invariance's; in float32 the
+    matrix products' rounding moves with the row count, which this comparison keeps out.)"""
+    model = copy.deepcopy(tiny_engine.model).to(dtype)
+    fast = LlamaDecoder(model)
+    assert fast.grouping_refusal is None  # exact here (the check runs at load)
+    texts = ["for key in", "for key in", "import json", "for key in", "def main(argv):", "def main(argv):"]
+    prompts = [tiny_engine.encode(t, add_special_tokens=True) for t in texts]
+    assert len({len(p) for p in prompts}) == 3
+    grouped = _rows_logits(model, fast, prompts)
+    fast.grouping_refusal = "a call per row, for comparison"
+    per_row = _rows_logits(model, fast, prompts)
+    assert all(torch.equal(a, b) for a, b in zip(grouped, per_row, strict=True))
