@@ -15,6 +15,8 @@ from millm_engines.transformers.fastpath import KVCache, LlamaDecoder, column_gr
 from millm_engines.transformers.loader import load_engine
 from millm_engines.transformers.settings import FAST_DECODE
 
+from .lean import prefilled
+
 
 # A padded batch of two rows may take other matrix-kernel blockings than HF's separate
 # projections: the bound is a few units in the last place at the logits' magnitude (|logit|
@@ -160,17 +162,9 @@ def _rows_logits(model: Any, fast: LlamaDecoder, prompts: list[list[int]], steps
     """Greedy lean steps of ``prompts`` (each prefilled alone, right-aligned in one cache,
     each row attending over its own columns); each step's logits."""
     length = max(len(p) for p in prompts)
-    caches, tokens = [], []
+    cache, token = prefilled(model, prompts)
+    pos = torch.tensor([len(p) for p in prompts])
     with torch.inference_mode():
-        for prompt in prompts:
-            hf_cache = DynamicCache(config=model.config)
-            out = model(input_ids=torch.tensor([prompt]), cache=hf_cache, use_cache=True)
-            caches.append(KVCache.from_hf(hf_cache))
-            tokens.append(out.logits[0, -1].argmax(-1))
-        cache = caches[0]
-        for other in caches[1:]:
-            cache = KVCache.merge(cache, other)
-        token, pos = torch.stack(tokens), torch.tensor([len(p) for p in prompts])
         starts = [length - len(p) for p in prompts]
         logits = []
         for _ in range(steps):

@@ -14,16 +14,17 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from millm_core.api import ModelLocation
 from millm_core.config import load_settings
 from millm_engines.transformers import packed as packed_module
-from millm_engines.transformers.fastpath import KVCache, LlamaDecoder
+from millm_engines.transformers.fastpath import LlamaDecoder
 from millm_engines.transformers.loader import load_engine
 from millm_engines.transformers.packed import CHECK_ROWS, ops_available, pack, packs_exactly
 from millm_engines.transformers.preflight import _packed, native_bf16, packing_plan, preflight
 from millm_engines.transformers.settings import FAST_DECODE, PACKED_WEIGHTS
+
+from .lean import prefilled
 
 
 @pytest.fixture(scope="module")
@@ -37,25 +38,9 @@ def decoders(bf16: Any) -> tuple[LlamaDecoder, LlamaDecoder]:
     return LlamaDecoder(copy.deepcopy(bf16)), LlamaDecoder(copy.deepcopy(bf16), packing=None)
 
 
-def _prefilled(model: Any, prompts: list[list[int]]) -> tuple[KVCache, torch.Tensor]:
-    """Each prompt prefilled alone (so the caches do not depend on each other), merged;
-    and each prompt's greedy next token."""
-    caches, tokens = [], []
-    with torch.inference_mode():
-        for prompt in prompts:
-            hf_cache = DynamicCache(config=model.config)
-            out = model(input_ids=torch.tensor([prompt]), cache=hf_cache, use_cache=True)
-            caches.append(KVCache.from_hf(hf_cache))
-            tokens.append(out.logits[0, -1].argmax(-1))
-    merged = caches[0]
-    for cache in caches[1:]:
-        merged = KVCache.merge(merged, cache)
-    return merged, torch.stack(tokens)
-
-
 def _steps(model: Any, fast: LlamaDecoder, prompts: list[list[int]], steps: int = 6) -> list[torch.Tensor]:
     """Greedy lean steps of ``prompts`` (equal lengths); each step's logits."""
-    cache, token = _prefilled(model, prompts)
+    cache, token = prefilled(model, prompts)
     pos = torch.full((len(prompts),), len(prompts[0]))
     logits = []
     with torch.inference_mode():
