@@ -322,16 +322,17 @@ class EagerJoin(Protocol):
     streams). Where the prompts run is the engine's choice: in :meth:`Joinable.join` (the
     transformers engine) or in :meth:`first_tokens` itself (the GGUF engine).
 
-    The scheduler calls :meth:`first_tokens` between steps, after rows joined a batch that
-    has stepped at least once (model calls queued meanwhile may run between the join and
-    this call, as they may before a step). From the next :meth:`Engine.step` on, the joined
+    The scheduler calls :meth:`first_tokens` between steps, after each request's rows
+    joined a batch that has stepped at least once, before the next waiting request joins:
+    requests arriving together get their first tokens one prefill apart (model calls
+    queued meanwhile may run between the join and this call, as they may before a step). From the next :meth:`Engine.step` on, the joined
     rows are fed the tokens drawn here and decode with the others. A row's draws must not
     change: the same logits, biases, masks and counter-based draw (position
     ``len(prompt)``) as in the step that would otherwise have drawn it. The scheduler's
     step-time metric does not count this call."""
 
     def first_tokens(self, batch: Batch, biases: Sequence[Mapping[int, float] | None], allowed: Sequence[Any] | None = None) -> list[int]:
-        """The first token of each row joined since the last step, in row order (the
+        """The first token of each row joined since the last step or call, in row order (the
         batch's last rows, ``len(biases)`` of them; ``biases`` and ``allowed`` cover those
         rows only, ``allowed`` as for a masked :meth:`Engine.step`). May raise
         :class:`~millm_core.jobs.RowsFailed` with ``tokens`` for those rows and ``errors``

@@ -30,6 +30,7 @@ waiting and running request gets a typed 503 and :attr:`Scheduler.healthy` turns
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -318,11 +319,13 @@ class Scheduler:
                 item.future.set_exception(exc)
             self._clock.done()
 
-    def _admit(self, run: BatchRun, joinable: Joinable | None, batch: Any) -> None:
+    def _admit(self, run: BatchRun, joinable: Joinable | None, batch: Any, joined: Callable[[int], None] | None = None) -> None:
         """Between steps: run waiting calls and join waiting jobs for this engine that fit
         (when the engine is joinable), in queue order. A job that has to wait keeps its
         place without holding back the jobs behind it, until it has been overtaken
-        :attr:`max_overtakes` times: then no later job joins, and the batch drains."""
+        :attr:`max_overtakes` times: then no later job joins, and the batch drains.
+        ``joined(first)``, when given, runs after each job joins, with the position of its
+        first row (an EagerJoin engine's first tokens, drawn before the next job's prefill)."""
         with self._lock:
             waiting = self._served_order(list(self._waiting))
         blocked: list[Job] = []
@@ -358,7 +361,10 @@ class Scheduler:
             for job in blocked:
                 job.overtaken += 1
                 starving = starving or job.overtaken >= self.max_overtakes
+            first = len(run.slots)
             run.start(item)
+            if joined is not None:
+                joined(first)
 
     def _draw(self, run: BatchRun, engine: Any, batch: Any, first: int, draw: Callable[..., list[int]]) -> None:
         """One draw of tokens for the batch's rows from position ``first`` on: ``draw`` is
@@ -429,13 +435,13 @@ class Scheduler:
                 if not run.slots:
                     break
                 if self._waiting:
-                    running = len(run.slots)
-                    self._admit(run, joinable, batch)
-                    if eager is not None and stepped and len(run.slots) > running:
-                        # The joined rows' first tokens now, not after everyone's next step.
-                        self._draw(run, engine, batch, running, eager.first_tokens)
-                        if not run.slots:
-                            break
+                    # A joined job's first tokens now, not after everyone's next step, and
+                    # before the next joining job's prefill (8 requests arriving at once get
+                    # their first tokens one prefill apart, not all after the eighth).
+                    draw_first = functools.partial(self._draw, run, engine, batch, draw=eager.first_tokens) if eager is not None and stepped else None
+                    self._admit(run, joinable, batch, draw_first)
+                    if not run.slots:
+                        break
                 started = time.perf_counter()
                 self._draw(run, engine, batch, 0, engine.step)
                 stepped = True

@@ -184,3 +184,41 @@ def test_jobs_joining_at_once_draw_each_row_once_after_the_running_rows(schedule
         assert sink.end() == JobDone(cancelled=False) and sink.texts(rows) == expected[seed]
     assert sum(n for _, n in engine.first_calls) == 3
     assert all(first >= 1 for first, _ in engine.first_calls)
+
+
+class Ordered(EagerFake):
+    """:class:`EagerFake` that logs joins and first-token draws in the order they happen."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        super().__init__(delay)
+        self.log: list[tuple[str, int]] = []
+
+    def join(self, batch: FakeBatch, rows: Sequence[RowSpec]) -> None:
+        self.log.append(("join", len(rows)))
+        super().join(batch, rows)
+
+    def first_tokens(self, batch: FakeBatch, biases: Sequence[Mapping[int, float] | None]) -> list[int]:
+        self.log.append(("first", len(biases)))
+        return super().first_tokens(batch, biases)
+
+
+def test_jobs_joining_together_get_their_first_tokens_one_join_apart(scheduler: Scheduler) -> None:
+    """Jobs waiting at the same step boundary: each job's first tokens are drawn right after
+    its own join (its prefill), before the next job joins, not all after the last one."""
+    engine = Ordered(delay=0.1)
+    running, running_sink = job(engine, seed=1, tokens=20)
+    scheduler.submit(running)
+    while engine.steps < 2:
+        threading.Event().wait(0.002)
+    late = [job(engine, seed=s, rows=r) for s, r in ((2, 2), (3, 1), (4, 1))]
+    started = engine.steps
+    while engine.steps == started:  # a step has just begun (it counts, then takes 100 ms)
+        threading.Event().wait(0.001)
+    for queued, _ in late:  # all inside that step: they join at the same boundary
+        scheduler.submit(queued)
+    for _, sink in late:
+        assert sink.end() == JobDone(cancelled=False)
+    assert running_sink.end() == JobDone(cancelled=False)
+    joins = [i for i, (what, _) in enumerate(engine.log) if what == "join"][1:]  # the first opened the batch
+    assert len(joins) == 3 and engine.joined_at[1] == engine.joined_at[3]  # one boundary, as arranged
+    assert [engine.log[i + 1] for i in joins] == [("first", 2), ("first", 1), ("first", 1)]
