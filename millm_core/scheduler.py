@@ -365,6 +365,11 @@ class Scheduler:
             run.start(item)
             if joined is not None:
                 joined(first)
+                if not run.slots:
+                    # Every row left at that draw (the job ended at its first token and the
+                    # running rows had failed): this batch ends, without a retain to match
+                    # the engine to it, so nothing more may join it; the rest wait.
+                    return
 
     def _draw(self, run: BatchRun, engine: Any, batch: Any, first: int, draw: Callable[..., list[int]]) -> None:
         """One draw of tokens for the batch's rows from position ``first`` on: ``draw`` is

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from millm_core.engine import EagerJoin, RowSpec
+from millm_core.engine import Capability, EagerJoin, RowSpec
 from millm_core.errors import MillmError
 from millm_core.scheduler import JobDone, JobEvent, JobFailed, RowsFailed, Scheduler, StepEvents
 
@@ -222,3 +222,53 @@ def test_jobs_joining_together_get_their_first_tokens_one_join_apart(scheduler: 
     joins = [i for i, (what, _) in enumerate(engine.log) if what == "join"][1:]  # the first opened the batch
     assert len(joins) == 3 and engine.joined_at[1] == engine.joined_at[3]  # one boundary, as arranged
     assert [engine.log[i + 1] for i in joins] == [("first", 2), ("first", 1), ("first", 1)]
+
+
+class TakesBack:
+    """A processor that asks for its row's second token back (a rewind)."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+    def logit_bias(self) -> dict[int, float]:
+        return {}
+
+    def on_token(self, token_id: int, text: str) -> tuple[str, bool]:
+        self.tokens += 1
+        return text, False
+
+    def take_back(self) -> int:
+        return 1 if self.tokens == 2 else 0
+
+    def flush(self) -> str:
+        return ""
+
+
+class CannotRewind(Ordered):
+    """:class:`Ordered` whose rewinds fail (as an engine's rewind can: a cache that cannot
+    take tokens back, no memory)."""
+
+    capabilities: frozenset[Any] = frozenset({Capability.REWIND})
+
+    def rewind(self, batch: FakeBatch, row: int, k: int) -> None:
+        raise RuntimeError("this cache cannot take tokens back")
+
+
+def test_a_batch_emptied_by_a_first_token_draw_takes_no_more_joins(scheduler: Scheduler) -> None:
+    """The running job's rewind fails after a step (its row leaves at the next draw); at that
+    boundary a job that ends at its first token joins, and its draw leaves the batch with no
+    rows. A job waiting behind it must not join that batch (whose engine rows were never
+    trimmed to the empty run): it opens a new one and gets its solo text."""
+    engine = CannotRewind(delay=0.1)
+    expected = solo(FakeEngine(), 6, rows=2)
+    rewinding, rewinding_sink = job(engine, tokens=40, processors=lambda: [TakesBack()])
+    scheduler.submit(rewinding)
+    while engine.steps < 2:  # its second step (whose token it takes back) has begun
+        threading.Event().wait(0.001)
+    short, short_sink = job(engine, seed=5, tokens=1)
+    behind, behind_sink = job(engine, seed=6, rows=2)
+    scheduler.submit(short)
+    scheduler.submit(behind)
+    assert isinstance(rewinding_sink.end(), JobFailed)
+    assert short_sink.end() == JobDone(cancelled=False)
+    assert behind_sink.end() == JobDone(cancelled=False) and behind_sink.texts(2) == expected
