@@ -15,7 +15,7 @@ The groups, in the order a plugin meets them:
 - what request hooks exchange: ``Problem``, ``Generate``, ``Compute``, ``Reply``,
   ``ForwardPlan``, ``RowInfo``, ``TokenProcessor``, ``Outcome``, ``ChoiceResult``,
   ``Finalization``, ``RowOwner``;
-- the engine contract: ``Engine``, ``Batch``, ``Joinable``, ``EagerJoin``, ``Embedder``,
+- the engine contract: ``Engine``, ``Batch``, ``Joinable``, ``EagerJoin``, ``JoinTogether``, ``Embedder``,
   ``Scorer``, ``ResidualReader``, ``Tapping``, ``Rewinding``, ``PrefixReusing``, ``Tap``, ``Readout``,
   ``ResidualListener``, ``Capability``, ``Capacity``, ``ModelInfo``, ``RowSpec``,
   ``SamplingParams``, ``ServedModel``, ``ModelRegistry``, ``SwitchTarget``;
@@ -58,6 +58,7 @@ from .engine import (
     Engine,
     EngineFactory,
     Joinable,
+    JoinTogether,
     LoadPlan,
     MemoryAware,
     ModelInfo,
@@ -173,6 +174,7 @@ __all__ = [
     "InternalError",
     "InvalidRequest",
     "Joinable",
+    "JoinTogether",
     "LoadPlan",
     "MemoryAware",
     "MillmError",

@@ -325,7 +325,9 @@ class EagerJoin(Protocol):
     The scheduler calls :meth:`first_tokens` between steps, after each request's rows
     joined a batch that has stepped at least once, before the next waiting request joins:
     requests arriving together get their first tokens one prefill apart (model calls
-    queued meanwhile may run between the join and this call, as they may before a step). From the next :meth:`Engine.step` on, the joined
+    queued meanwhile may run between the join and this call, as they may before a step).
+    On an engine that is also :class:`JoinTogether`, it is called once after all the
+    requests that joined together. From the next :meth:`Engine.step` on, the joined
     rows are fed the tokens drawn here and decode with the others. A row's draws must not
     change: the same logits, biases, masks and counter-based draw (position
     ``len(prompt)``) as in the step that would otherwise have drawn it. The scheduler's
@@ -339,6 +341,28 @@ class EagerJoin(Protocol):
         keyed by batch position. Afterwards, :meth:`Tapping.readouts` gives the joined rows'
         prompt readouts (None for the other rows) and :meth:`PrefixReusing.resumed` their
         counts."""
+
+
+@runtime_checkable
+class JoinTogether(Protocol):
+    """What a :class:`Joinable` engine may add: joining several waiting requests in one
+    call, so that their prompts can share forward passes (8 requests arriving at once then
+    cost about one prefill of all eight prompts, not eight prefills one after another).
+
+    Where an engine is JoinTogether, the scheduler calls :meth:`join_together` between
+    steps, instead of :meth:`Joinable.join`, with every waiting request that fits (in the
+    order it serves them, lanes included; :meth:`Joinable.can_join` is asked about all
+    their rows together), then on an :class:`EagerJoin` engine :meth:`EagerJoin.first_tokens`
+    once for all the rows that joined. Each request must end as joining alone would have
+    left it: the same rows, the same numbers (an engine shares work between prompts only
+    where a row's results do not depend on the rows beside it), and a failure its own."""
+
+    def join_together(self, batch: Batch, requests: Sequence[Sequence[RowSpec]]) -> list[BaseException | None]:
+        """Append each request's rows to ``batch``, in order. Returns one entry per
+        request: None where its rows joined (after the rows of the requests before it that
+        joined), else the exception that kept it out (that request fails; the batch and
+        the other requests are untouched). An exception raised instead fails every one of
+        them."""
 
 
 @runtime_checkable

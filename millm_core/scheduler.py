@@ -15,7 +15,9 @@ On an engine that is :class:`~millm_core.engine.Joinable` (the GGUF engine; the
 transformers engine on its lean decode step), jobs queued for the same engine join the
 running batch between steps while the engine says they fit: concurrent requests then share
 each forward pass. On an engine that is also :class:`~millm_core.engine.EagerJoin`, rows
-that join a batch that has stepped draw their first token at once, before the next step. A queued job that cannot join (another engine, no room) does not hold
+that join a batch that has stepped draw their first token at once, before the next step;
+on a :class:`~millm_core.engine.JoinTogether` engine the jobs waiting at one admission join
+in one call (their prompts may share forward passes). A queued job that cannot join (another engine, no room) does not hold
 back later jobs that can, up to :attr:`Scheduler.max_overtakes` times; after that the
 batch takes no more joins and drains so that it runs next. Otherwise a batch holds one
 job's rows. Model calls run between steps, in queue order.
@@ -41,7 +43,7 @@ import msgspec
 import structlog
 
 from .batchrun import BatchRun, emit
-from .engine import EagerJoin, Joinable, PrefixReusing, Rewinding, Tapping
+from .engine import EagerJoin, Joinable, JoinTogether, PrefixReusing, Rewinding, Tapping
 from .errors import MillmError, QueueFull, ServiceUnavailable
 from .jobs import (
     Call,
@@ -325,9 +327,14 @@ class Scheduler:
         place without holding back the jobs behind it, until it has been overtaken
         :attr:`max_overtakes` times: then no later job joins, and the batch drains.
         ``joined(first)``, when given, runs after each job joins, with the position of its
-        first row (an EagerJoin engine's first tokens, drawn before the next job's prefill)."""
+        first row (an EagerJoin engine's first tokens, drawn before the next job's prefill);
+        on a :class:`~millm_core.engine.JoinTogether` engine the jobs that fit join in one
+        call per run of jobs of one lane (interactive, or agent) in serving order, and
+        ``joined`` runs once after each call."""
         with self._lock:
             waiting = self._served_order(list(self._waiting))
+        together = joinable if isinstance(joinable, JoinTogether) else None
+        pending: list[Job] = []  # claimed, to join together
         blocked: list[Job] = []
         starving = False  # a blocked job was overtaken enough: nothing joins ahead of it
         for item in waiting:
@@ -335,12 +342,20 @@ class Scheduler:
                 if self._claim(item):
                     self._call(item)
                 continue
+            if pending and (pending[0].lane == AGENT) != (item.lane == AGENT):
+                # One lane per shared call: an interactive job's first tokens never wait
+                # for the prefill of an agent job served after it.
+                self._join_together(run, cast(JoinTogether, together), batch, pending, joined)
+                pending = []
+                if not run.slots:
+                    return
+            ahead = [row for job in pending for row in job.rows]
             if (
                 starving
                 or joinable is None
                 or item.engine is not cast(object, joinable)
-                or not joinable.can_join(item.rows)
-                or self._reserved(item, joinable)
+                or not joinable.can_join([*ahead, *item.rows])
+                or self._reserved(item, joinable, ahead)
             ):
                 blocked.append(item)
                 starving = starving or item.overtaken >= self.max_overtakes
@@ -350,17 +365,18 @@ class Scheduler:
                     continue  # cancelled meanwhile: _withdraw ended it
                 self._pass_agents(item)
                 self._claim_locked(item)
-            try:
-                joinable.join(batch, item.rows)
-            except Exception as exc:  # noqa: BLE001 - this job's error, not the batch's
-                log.exception("join_failed", request_id=item.request_id)
-                with self._lock:
-                    self.stats.failed_jobs += 1
-                emit(item, JobFailed(exc))
-                continue
+            if together is None:
+                try:
+                    joinable.join(batch, item.rows)
+                except Exception as exc:  # noqa: BLE001 - this job's error, not the batch's
+                    self._join_failed(item, exc)
+                    continue
             for job in blocked:
                 job.overtaken += 1
                 starving = starving or job.overtaken >= self.max_overtakes
+            if together is not None:
+                pending.append(item)
+                continue
             first = len(run.slots)
             run.start(item)
             if joined is not None:
@@ -370,6 +386,31 @@ class Scheduler:
                     # running rows had failed): this batch ends, without a retain to match
                     # the engine to it, so nothing more may join it; the rest wait.
                     return
+        if pending:
+            self._join_together(run, cast(JoinTogether, together), batch, pending, joined)
+
+    def _join_together(self, run: BatchRun, engine: JoinTogether, batch: Any, jobs: list[Job], joined: Callable[[int], None] | None) -> None:
+        """Join ``jobs`` (claimed) in one call; each that the engine refuses fails alone."""
+        try:
+            outcome = engine.join_together(batch, [job.rows for job in jobs])
+            if len(outcome) != len(jobs):
+                raise RuntimeError(f"the engine's join_together answered for {len(outcome)} of {len(jobs)} requests")
+        except Exception as exc:  # noqa: BLE001 - these jobs' error, not the batch's
+            outcome = [exc] * len(jobs)
+        first = len(run.slots)
+        for job, error in zip(jobs, outcome, strict=True):
+            if error is not None:
+                self._join_failed(job, error)
+            else:
+                run.start(job)
+        if joined is not None and len(run.slots) > first:
+            joined(first)
+
+    def _join_failed(self, job: Job, exc: BaseException) -> None:
+        log.error("join_failed", request_id=job.request_id, exc_info=exc)
+        with self._lock:
+            self.stats.failed_jobs += 1
+        emit(job, JobFailed(exc))
 
     def _draw(self, run: BatchRun, engine: Any, batch: Any, first: int, draw: Callable[..., list[int]]) -> None:
         """One draw of tokens for the batch's rows from position ``first`` on: ``draw`` is
@@ -399,17 +440,18 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - this row's request fails, not the batch
                 run.rewind_failed(pos, exc)
 
-    def _reserved(self, job: Job, joinable: Joinable) -> bool:
+    def _reserved(self, job: Job, joinable: Joinable, ahead: list[Any] | None = None) -> bool:
         """Whether agent ``job`` must not join because it would take the rows kept for
         interactive requests (``agent_reserve``, while interactive requests are recent):
-        the engine is asked whether the job's rows and that many more would fit."""
+        the engine is asked whether the job's rows and that many more would fit (after
+        ``ahead``, rows of jobs about to join with it)."""
         if job.lane != AGENT or self.agent_reserve <= 0 or not job.rows:
             return False
         if job.passed >= self.lane_passes or job.overtaken >= self.max_overtakes:
             return False  # held back long enough: it takes any row now (never starved)
         if time.monotonic() - self._interactive_at > self.interactive_window_s:
             return False
-        return not joinable.can_join([*job.rows, *[job.rows[0]] * self.agent_reserve])
+        return not joinable.can_join([*(ahead or []), *job.rows, *[job.rows[0]] * self.agent_reserve])
 
     def _run(self, first: Job) -> None:
         """Step one batch until every row in it is done: ``first``'s rows, and on a
