@@ -1,9 +1,10 @@
 """The transformers engine: prefill then cached decode over a batch of rows.
 
-Each row is prefilled on its own; the rows' KV caches are then right-aligned, so that
-every row's next token sits in the last column, and a batch without padding passes no
-attention mask at all (the causal fast path). Finished rows are dropped from the KV cache
-between steps. On the lean decode step a row's prefill runs in chunks, resumed from the
+Each row is prefilled as it would be alone (see :mod:`.prefill`: where exact, the prompts
+of requests joining together share the lean prefill's passes); the rows' KV caches are
+then right-aligned, so that every row's next token sits in the last column, and a batch
+without padding passes no attention mask at all (the causal fast path). Finished rows are
+dropped from the KV cache between steps. A row's prefill runs in chunks, resumed from the
 prefix cache where it can (see :mod:`.prefix`). Rows attend over their own cache columns
 only: on the lean step by construction, on the generic HF forward through the attention
 function of :mod:`.rows`. Rows of other requests join a running batch on both paths: on
@@ -14,63 +15,28 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from millm_core.api import Capability, ModelInfo, NonFiniteLogits, OutOfMemory, Readout, RowsFailed, RowSpec, SamplingParams, Tap
+from millm_core.api import Capability, ModelInfo, NonFiniteLogits, OutOfMemory, Readout, RowsFailed, RowSpec
 
+from .batch import HFBatch
 from .chat import render_chat_ids
 from .fastpath import KVCache, LlamaDecoder
 from .forward import embed, last_logits, residuals
 from .fp32 import Float32Copies
 from .generic import cache_length, join_refusal, merge_caches
+from .leanprefill import build as build_lean_prefill
 from .memory import available_bytes, shortfall
 from .plugin import CAPABILITIES  # declared once, before any load
-from .prefix import PrefixCache, prefill_chunks, rope_refusal
-from .rewind import PromptEnd, refeed_prompt_ends, refusal, rewind, select
+from .prefill import prefill, prefill_all
+from .prefix import PrefixCache, rope_refusal
+from .rewind import refeed_prompt_ends, refusal, rewind, select
 from .rows import install as install_rows_attention
 from .sampler import apply_biases, apply_masks, sample
 from .taps import Captured, TapSet, block_hook, readouts
-
-
-@dataclass
-class HFBatch:
-    """Per-batch state: KV cache, attention mask, per-row positions and params."""
-
-    prompts: list[tuple[int, ...]]
-    params: list[SamplingParams]
-    started: bool = False
-    cache: DynamicCache | None = None
-    kv: KVCache | None = None
-    mask: torch.Tensor | None = None
-    next_pos: torch.Tensor | None = None
-    last_tokens: torch.Tensor | None = None
-    # Absolute position (prompt length + tokens generated) of each row's next draw.
-    draw_pos: list[int] | None = None
-    # layer -> [rows, d_model] steering deltas (zero rows for unsteered rows).
-    deltas: dict[int, torch.Tensor] | None = None
-    # Rows of other requests that joined after the prefill, prefilled when they joined;
-    # their logits (``prefilled``) join the batch's at the next step.
-    joining: list[HFBatch] = field(default_factory=list)
-    prefilled: torch.Tensor | None = None
-    # Per-row taps (row order), the rows reading each tap, and what the last forward read.
-    row_taps: list[tuple[Tap, ...]] = field(default_factory=list)
-    taps: TapSet | None = None
-    reads: list[Readout | None] | None = None
-    # For rewinds (see .rewind): each row's draws, its prefill's logits, and the rows
-    # taken back to their prompt, whose last prompt token the next step re-feeds.
-    drawn: list[list[int]] = field(default_factory=list)
-    first_logits: list[torch.Tensor] = field(default_factory=list)
-    refill: dict[int, PromptEnd] = field(default_factory=dict)
-    # Prompt tokens each row's prefill resumed from the prefix cache (see .prefix).
-    resumed: list[int] = field(default_factory=list)
-
-    @property
-    def size(self) -> int:
-        return len(self.params)
 
 
 def _non_finite_rows(logits: torch.Tensor) -> list[int]:
@@ -82,9 +48,12 @@ def _non_finite_rows(logits: torch.Tensor) -> list[int]:
 class TransformersEngine:
     """An :class:`~millm_core.engine.Engine` over a transformers causal LM, also
     :class:`~millm_core.engine.Joinable`: rows of other requests join a running batch,
-    their prompts prefilled on their own beside the others' decode steps — on the lean
-    decode step always, on the generic HF forward when the model's cache can be merged
-    (``join_refusal`` says why not, decided at load)."""
+    their prompts prefilled as alone beside the others' decode steps — on the lean decode
+    step always, on the generic HF forward when the model's cache can be merged
+    (``join_refusal`` says why not, decided at load). Also
+    :class:`~millm_core.engine.JoinTogether`: requests joining at once share the lean
+    prefill's passes where a load-time check finds that exact (``lean`` is then set;
+    ``lean_refusal`` says why not)."""
 
     capabilities = CAPABILITIES
     max_rows = 16  # rows one joined batch may hold
@@ -129,6 +98,8 @@ class TransformersEngine:
         # On the generic forward, why a row cannot attend over its own columns alone (None:
         # it does, see .rows); the lean decode step always does.
         self.rows_refusal: str | None = None if fast is not None else install_rows_attention(model)
+        # Prompts prefilled together where that is exact (see .leanprefill; None: why not).
+        self.lean, self.lean_refusal = build_lean_prefill(fast) if fast is not None else (None, "the lean decode step is off")
         self.refusals: dict[Capability, str] = {}
         if cannot:
             self.capabilities = CAPABILITIES - {Capability.REWIND}
@@ -195,27 +166,6 @@ class TransformersEngine:
                 batch.deltas[layer] = stacked
         return batch
 
-    @contextlib.contextmanager
-    def _block_hooks(self, batch: HFBatch, captured: Captured) -> Iterator[None]:
-        """Forward hooks adding each row's delta to the hooked blocks' outputs and reading
-        the tapped rows into ``captured``, for the duration of one HF forward. Nothing
-        outlives the call."""
-        deltas = batch.deltas or {}
-        reads = batch.taps.by_layer if batch.taps is not None else {}
-        if not deltas and not reads:
-            yield
-            return
-        layers = self.model.model.layers
-        handles = [
-            layers[layer].register_forward_hook(block_hook(layer, deltas.get(layer), reads, captured))
-            for layer in sorted(set(deltas) | set(reads))
-        ]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-
     @torch.inference_mode()
     def step(self, batch: HFBatch, biases: Sequence[Mapping[int, float] | None], allowed: Sequence[Any] | None = None) -> list[int]:
         try:
@@ -226,7 +176,7 @@ class TransformersEngine:
     def _step(self, batch: HFBatch, biases: Sequence[Mapping[int, float] | None], allowed: Sequence[Any] | None) -> list[int]:
         if not batch.started:
             batch.started = True
-            logits = self._prefill(batch)
+            logits = prefill(self, batch)
             batch.first_logits = list(logits.clone().unbind(0))  # the sampling below changes ``logits`` in place
         else:
             logits = self._decode(batch)
@@ -295,55 +245,26 @@ class TransformersEngine:
             )
         return tokens
 
-    # ------------------------------------------------------------------ joining
-
-    def readouts(self, batch: HFBatch) -> list[Readout | None]:
-        """The tapped rows' vectors from the step just run (joined rows' prompts included)."""
-        return batch.reads if batch.reads is not None else [None] * batch.size
-
-    def resumed(self, batch: HFBatch) -> list[int]:
-        """Per row, the prompt tokens its prefill resumed from the prefix cache (0: none)."""
-        return list(batch.resumed)
-
-    @property
-    def batch_invariant(self) -> bool:
-        """Both paths prefill each row alone. The lean decode step attends over each row's
-        own cache columns, and so does the generic HF forward where its attention is
-        transformers' SDPA (see :mod:`.rows`); a model attending otherwise masks a row's
-        foreign columns, which only float32 leaves the tokens alone for."""
-        return self.fast is not None or self.rows_refusal is None or next(self.model.parameters()).dtype == torch.float32
-
-    @property
-    def batches_requests(self) -> bool:
-        """Whether concurrent requests share decode steps: on the lean decode step, and on
-        the generic HF forward when the model's cache can be merged (see :mod:`.generic`)."""
-        return self.fast is not None or self.join_refusal is None
-
-    def can_join(self, rows: Sequence[RowSpec]) -> bool:
-        """Where the batch's KV cache can be merged (:attr:`batches_requests`), up to
-        ``max_rows`` rows in all."""
-        return self.batches_requests and self._rows + len(rows) <= self.max_rows
-
-    @torch.inference_mode()
-    def join(self, batch: HFBatch, rows: Sequence[RowSpec]) -> None:
-        """Prefill the joining rows now, on their own: if that fails (a bad row, no memory)
-        only the joining request fails and the running batch is untouched. Their logits
-        join the batch's at the next step."""
-        if not self.batches_requests:
-            raise ValueError(f"rows cannot join a running batch of this model: {self.join_refusal}")
-        if batch.cache is not None:
-            cache_length(batch.cache)  # a cache that cannot be merged refuses the join, not the batch
-        sub = self._new_batch(rows)
+    @contextlib.contextmanager
+    def _block_hooks(self, batch: HFBatch, captured: Captured) -> Iterator[None]:
+        """Forward hooks adding each row's delta to the hooked blocks' outputs and reading
+        the tapped rows into ``captured``, for the duration of one HF forward. Nothing
+        outlives the call."""
+        deltas = batch.deltas or {}
+        reads = batch.taps.by_layer if batch.taps is not None else {}
+        if not deltas and not reads:
+            yield
+            return
+        layers = self.model.model.layers
+        handles = [
+            layers[layer].register_forward_hook(block_hook(layer, deltas.get(layer), reads, captured))
+            for layer in sorted(set(deltas) | set(reads))
+        ]
         try:
-            sub.prefilled = self._prefill(sub)
-        except (torch.OutOfMemoryError, MemoryError) as exc:
-            raise OutOfMemory(
-                f"the {self.device} device ran out of memory prefilling this request beside the running batch; retry"
-            ) from exc
-        sub.started = True
-        sub.first_logits = list(sub.prefilled.clone().unbind(0))
-        self._rows += len(rows)
-        batch.joining.append(sub)
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _merge(self, batch: HFBatch, sub: HFBatch) -> None:
         """Append a freshly prefilled ``sub`` to a running ``batch``: KV caches (the lean
@@ -392,103 +313,95 @@ class TransformersEngine:
 
             batch.deltas = {layer: torch.cat([rows_of(batch.deltas, layer, ra), rows_of(sub.deltas, layer, rb)]) for layer in layers}
 
-    def _prefill(self, batch: HFBatch) -> torch.Tensor:
-        """The prompts' forward pass. Each row is prefilled on its own and the caches
-        merged: a row's prefill then never depends on the other rows (no padding, the same
-        matrix shapes as alone), which low-precision kernels would otherwise show in its
-        tokens. A row's prefill runs in chunks and may resume from the prefix cache."""
-        if self.fast is None and self.join_refusal is not None:
-            # A cache that cannot be merged (sliding windows, recurrent state): the
-            # request's rows run padded together, as its only batch.
-            return self._prefill_forward(batch)
-        if batch.size == 1:
-            return self._prefill_row(batch)
-        parts = [self._row_batch(batch, r) for r in range(batch.size)]
-        logits = torch.cat([self._prefill_row(part) for part in parts])
-        batch.resumed = [part.resumed[0] for part in parts]
-        merged = parts[0]
-        for part in parts[1:]:
-            self._merge(merged, part)
-        batch.kv, batch.cache, batch.mask = merged.kv, merged.cache, merged.mask
-        batch.next_pos, batch.draw_pos = merged.next_pos, merged.draw_pos
-        reads = [part.reads[0] if part.reads is not None else None for part in parts]
-        batch.reads = reads if any(r is not None for r in reads) else None
-        return logits
+    # ------------------------------------------------------------------ joining
 
-    def _row_batch(self, batch: HFBatch, row: int) -> HFBatch:
-        """Row ``row`` of ``batch`` as a batch of its own (same delta, same taps)."""
-        part = HFBatch(prompts=[batch.prompts[row]], params=[batch.params[row]], row_taps=[batch.row_taps[row]], resumed=[0])
-        part.taps = TapSet.build(part.row_taps, self.device, self.info.n_layers)
-        if batch.deltas is not None:
-            part.deltas = {layer: delta[row : row + 1] for layer, delta in batch.deltas.items()}
-        return part
+    def readouts(self, batch: HFBatch) -> list[Readout | None]:
+        """The tapped rows' vectors from the step just run (joined rows' prompts included)."""
+        return batch.reads if batch.reads is not None else [None] * batch.size
 
-    def _prefill_row(self, part: HFBatch) -> torch.Tensor:
-        """One row's prefill, in chunks ending at the multiples of ``prefix.CHUNK``, resumed
-        from the longest prefix the prefix cache holds for the row (not for a tapped row:
-        its readouts cover every prompt position); the row's whole chunks then go into the
-        cache. See :mod:`.prefix` for why this is exact. The lean decode step takes the
-        keys and values over into its own cache; the generic HF forward keeps HF's."""
-        prompt = part.prompts[0]
-        cache = DynamicCache(config=self.model.config)
-        deltas = {layer: delta[0] for layer, delta in part.deltas.items()} if part.deltas else None
-        root = self.prefix.root(deltas) if self.prefix is not None else b""
-        start = 0
-        if self.prefix is not None and part.taps is None:
-            found = self.prefix.lookup(root, prompt)
-            if found is not None:
-                start = found.length
-                for layer, (keys, values) in enumerate(zip(found.keys, found.values, strict=True)):
-                    cache.update(keys, values, layer)
-        logits, captured = prefill_chunks(self.model, prompt, start, cache, lambda into: self._block_hooks(part, into))
-        if self.prefix is not None:
-            layers: list[Any] = list(cache.layers)
-            self.prefix.store(root, prompt, [layer.keys for layer in layers], [layer.values for layer in layers])
-        if self.fast is not None:
-            part.kv = KVCache.from_hf(cache)
-        else:
-            part.cache = cache
-        part.mask = None
-        part.next_pos = torch.tensor([len(prompt)], dtype=torch.long, device=self.device)
-        part.draw_pos = [len(prompt)]
-        part.resumed = [start]
-        if part.taps is not None:
-            joined = {tap: torch.cat([c[tap] for c in captured], dim=1) for tap in captured[0]}
-            part.reads = readouts(part.taps, joined, [0], [len(prompt)])
-        else:
-            part.reads = None
-        return logits
+    def resumed(self, batch: HFBatch) -> list[int]:
+        """Per row, the prompt tokens its prefill resumed from the prefix cache (0: none)."""
+        return list(batch.resumed)
 
-    def _prefill_forward(self, batch: HFBatch) -> torch.Tensor:
-        """The prompts' prefill as one generic HF forward pass, rows left-padded to the
-        longest: a serial model's request (where caches can be merged, each row is
-        prefilled alone, see :meth:`_prefill`)."""
-        lengths = [len(p) for p in batch.prompts]
-        width = max(lengths)
-        ids = torch.full((len(lengths), width), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(lengths), width), dtype=torch.long)
-        for r, prompt in enumerate(batch.prompts):
-            ids[r, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            mask[r, width - len(prompt) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp_(min=0)
-        padded = min(lengths) != width
-        batch.cache = DynamicCache(config=self.model.config)
-        captured: Captured = {}
-        with self._block_hooks(batch, captured):
-            out = self.model(
-                input_ids=ids,
-                attention_mask=mask if padded else None,
-                position_ids=positions,
-                cache=batch.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        batch.mask = mask if padded else None
-        batch.next_pos = positions[:, -1] + 1
-        batch.draw_pos = lengths
-        batch.reads = readouts(batch.taps, captured, [0] * len(lengths), lengths) if batch.taps is not None else None
-        return out.logits[:, -1, :]
+    @property
+    def batch_invariant(self) -> bool:
+        """Both paths prefill each row as alone (the lean prefill's shared passes where a
+        load-time check found them exact, see :mod:`.leanprefill`). The lean decode step attends over each row's
+        own cache columns, and so does the generic HF forward where its attention is
+        transformers' SDPA (see :mod:`.rows`); a model attending otherwise masks a row's
+        foreign columns, which only float32 leaves the tokens alone for."""
+        return self.fast is not None or self.rows_refusal is None or next(self.model.parameters()).dtype == torch.float32
+
+    @property
+    def batches_requests(self) -> bool:
+        """Whether concurrent requests share decode steps: on the lean decode step, and on
+        the generic HF forward when the model's cache can be merged (see :mod:`.generic`)."""
+        return self.fast is not None or self.join_refusal is None
+
+    def can_join(self, rows: Sequence[RowSpec]) -> bool:
+        """Where the batch's KV cache can be merged (:attr:`batches_requests`), up to
+        ``max_rows`` rows in all."""
+        return self.batches_requests and self._rows + len(rows) <= self.max_rows
+
+    def join(self, batch: HFBatch, rows: Sequence[RowSpec]) -> None:
+        """Prefill the joining rows now (see :meth:`join_together`)."""
+        error = self.join_together(batch, [rows])[0]
+        if error is not None:
+            raise error
+
+    @torch.inference_mode()
+    def join_together(self, batch: HFBatch, requests: Sequence[Sequence[RowSpec]]) -> list[BaseException | None]:
+        """Prefill the joining requests' rows now, together where the lean prefill is
+        exact (each row's numbers are those it gets alone), and on their own: a request
+        that fails (a bad row, no memory) fails alone and the running batch is untouched.
+        If the shared passes fail, each request is prefilled alone, to find which. Their
+        logits join the batch's at the next step (or at :meth:`first_tokens`)."""
+        if not self.batches_requests:
+            raise ValueError(f"rows cannot join a running batch of this model: {self.join_refusal}")
+        if batch.cache is not None:
+            cache_length(batch.cache)  # a cache that cannot be merged refuses the join, not the batch
+        outcome: list[HFBatch | BaseException] = []
+        for rows in requests:
+            try:
+                outcome.append(self._new_batch(rows))
+            except ValueError as exc:
+                outcome.append(exc)
+        subs = [sub for sub in outcome if isinstance(sub, HFBatch)]
+        try:
+            logits: list[torch.Tensor | BaseException] = list(prefill_all(self, subs)) if subs else []
+        except Exception as exc:  # noqa: BLE001 - one request's failure: which, when several
+            logits = [self._prefill_alone(sub) for sub in subs] if len(subs) > 1 else [self._failure(exc)]
+        errors: list[BaseException | None] = []
+        for item in outcome:
+            if not isinstance(item, HFBatch):
+                errors.append(item)
+                continue
+            result = logits.pop(0)
+            if isinstance(result, BaseException):
+                errors.append(result)
+                continue
+            item.prefilled, item.started = result, True
+            item.first_logits = list(result.clone().unbind(0))
+            self._rows += item.size
+            batch.joining.append(item)
+            errors.append(None)
+        return errors
+
+    def _prefill_alone(self, sub: HFBatch) -> torch.Tensor | BaseException:
+        """``sub``'s prefill on its own, or what failed it."""
+        try:
+            return prefill(self, sub)
+        except Exception as exc:  # noqa: BLE001 - this request's failure
+            return self._failure(exc)
+
+    def _failure(self, exc: Exception) -> BaseException:
+        """What a joining request's failed prefill tells its client: running out of
+        memory as :class:`~millm_core.api.OutOfMemory`."""
+        if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+            return exc
+        error = OutOfMemory(f"the {self.device} device ran out of memory prefilling this request beside the running batch; retry")
+        error.__cause__ = exc
+        return error
 
     def _decode(self, batch: HFBatch) -> torch.Tensor:
         assert batch.last_tokens is not None and batch.next_pos is not None

@@ -94,17 +94,25 @@ class KVCache:
 
     @classmethod
     def from_hf(cls, hf_cache: object, extra: int = _GROW) -> KVCache:
-        keys, values = [], []
-        for layer in hf_cache.layers:  # type: ignore[attr-defined]
-            k, v = layer.keys, layer.values
+        """The keys and values of an HF ``DynamicCache`` (one row), with room for ``extra``
+        more columns."""
+        layers = hf_cache.layers  # type: ignore[attr-defined]
+        return cls.from_layers([layer.keys for layer in layers], [layer.values for layer in layers], extra)
+
+    @classmethod
+    def from_layers(cls, keys: list[torch.Tensor], values: list[torch.Tensor], extra: int = _GROW) -> KVCache:
+        """Per-layer keys and values ``[rows, kv_heads, length, head_dim]`` copied into a
+        cache with room for ``extra`` more columns."""
+        out_k, out_v = [], []
+        for k, v in zip(keys, values, strict=True):
             rows, heads, length, dim = k.shape
             kk = k.new_empty((rows, heads, length + extra, dim))
             vv = v.new_empty((rows, heads, length + extra, dim))
             kk[:, :, :length] = k
             vv[:, :, :length] = v
-            keys.append(kk)
-            values.append(vv)
-        return cls(keys, values, int(keys[0].shape[2] - extra))
+            out_k.append(kk)
+            out_v.append(vv)
+        return cls(out_k, out_v, int(out_k[0].shape[2] - extra))
 
     def reserve(self, columns: int) -> None:
         capacity = self.keys[0].shape[2]
