@@ -355,7 +355,13 @@ class JoinTogether(Protocol):
     their rows together), then on an :class:`EagerJoin` engine :meth:`EagerJoin.first_tokens`
     once for all the rows that joined. Each request must end as joining alone would have
     left it: the same rows, the same numbers (an engine shares work between prompts only
-    where a row's results do not depend on the rows beside it), and a failure its own."""
+    where a row's results do not depend on the rows beside it), and a failure its own.
+    Where :attr:`joins_together` is False (the engine would share nothing for this model),
+    the scheduler joins one request at a time, as on any :class:`Joinable` engine."""
+
+    @property
+    def joins_together(self) -> bool:
+        """Whether joining requests share work here (decided when the model loads)."""
 
     def join_together(self, batch: Batch, requests: Sequence[Sequence[RowSpec]]) -> list[BaseException | None]:
         """Append each request's rows to ``batch``, in order. Returns one entry per
@@ -370,8 +376,11 @@ class Tapping(Protocol):
     """What an engine with :attr:`Capability.TAPS` offers: after each :meth:`Engine.step`
     the residual vectors of the rows whose :class:`RowSpec` asked for ``taps``, read in
     the same forward pass that drew the step's tokens (rows with and without taps share
-    the step; rows without taps cost nothing). A row's vectors equal what a forward hook
-    on the model would read for that row run alone."""
+    the step; rows without taps cost nothing). A row's vectors are those of the forward
+    pass that computed its tokens, as the row would run alone: what a forward hook on the
+    model would read for that row run alone, or, where the engine computes with a forward
+    of its own (the transformers engine's lean prefill in bf16), that forward's, which can
+    differ from the model module's by rounding. Reading never changes what a row computes."""
 
     def readouts(self, batch: Batch) -> list[Readout | None]:
         """One entry per row in row order, for the step just run (joined rows included):

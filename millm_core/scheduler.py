@@ -327,14 +327,13 @@ class Scheduler:
         place without holding back the jobs behind it, until it has been overtaken
         :attr:`max_overtakes` times: then no later job joins, and the batch drains.
         ``joined(first)``, when given, runs after each job joins, with the position of its
-        first row (an EagerJoin engine's first tokens, drawn before the next job's prefill);
-        on a :class:`~millm_core.engine.JoinTogether` engine the jobs that fit join in one
-        call per run of jobs of one lane (interactive, or agent) in serving order, and
-        ``joined`` runs once after each call."""
+        first row (an EagerJoin engine's first tokens, drawn before the next job's prefill).
+        On a :class:`~millm_core.engine.JoinTogether` engine see :meth:`_admit_together`."""
         with self._lock:
             waiting = self._served_order(list(self._waiting))
-        together = joinable if isinstance(joinable, JoinTogether) else None
-        pending: list[Job] = []  # claimed, to join together
+        if isinstance(joinable, JoinTogether) and joinable.joins_together:
+            self._admit_together(run, joinable, batch, waiting, joined)
+            return
         blocked: list[Job] = []
         starving = False  # a blocked job was overtaken enough: nothing joins ahead of it
         for item in waiting:
@@ -342,41 +341,18 @@ class Scheduler:
                 if self._claim(item):
                     self._call(item)
                 continue
-            if pending and (pending[0].lane == AGENT) != (item.lane == AGENT):
-                # One lane per shared call: an interactive job's first tokens never wait
-                # for the prefill of an agent job served after it.
-                self._join_together(run, cast(JoinTogether, together), batch, pending, joined)
-                pending = []
-                if not run.slots:
-                    return
-            ahead = [row for job in pending for row in job.rows]
-            if (
-                starving
-                or joinable is None
-                or item.engine is not cast(object, joinable)
-                or not joinable.can_join([*ahead, *item.rows])
-                or self._reserved(item, joinable, ahead)
-            ):
+            if starving or not self._fits(item, joinable, []):
                 blocked.append(item)
                 starving = starving or item.overtaken >= self.max_overtakes
                 continue
-            with self._lock:
-                if not item.queued:
-                    continue  # cancelled meanwhile: _withdraw ended it
-                self._pass_agents(item)
-                self._claim_locked(item)
-            if together is None:
-                try:
-                    joinable.join(batch, item.rows)
-                except Exception as exc:  # noqa: BLE001 - this job's error, not the batch's
-                    self._join_failed(item, exc)
-                    continue
-            for job in blocked:
-                job.overtaken += 1
-                starving = starving or job.overtaken >= self.max_overtakes
-            if together is not None:
-                pending.append(item)
+            if not self._claim_job(item):
+                continue  # cancelled meanwhile: _withdraw ended it
+            try:
+                cast(Joinable, joinable).join(batch, item.rows)
+            except Exception as exc:  # noqa: BLE001 - this job's error, not the batch's
+                self._join_failed(item, exc)
                 continue
+            starving = self._overtake(blocked) or starving
             first = len(run.slots)
             run.start(item)
             if joined is not None:
@@ -386,11 +362,84 @@ class Scheduler:
                     # running rows had failed): this batch ends, without a retain to match
                     # the engine to it, so nothing more may join it; the rest wait.
                     return
-        if pending:
-            self._join_together(run, cast(JoinTogether, together), batch, pending, joined)
 
-    def _join_together(self, run: BatchRun, engine: JoinTogether, batch: Any, jobs: list[Job], joined: Callable[[int], None] | None) -> None:
-        """Join ``jobs`` (claimed) in one call; each that the engine refuses fails alone."""
+    def _admit_together(
+        self, run: BatchRun, engine: JoinTogether, batch: Any, waiting: list[Job | Call], joined: Callable[[int], None] | None
+    ) -> None:
+        """:meth:`_admit` on a JoinTogether engine: the jobs that fit join in one call per
+        run of jobs of one lane (interactive, or agent) in serving order, and ``joined``
+        runs once after each call. Jobs claimed before a waiting call join before it runs
+        (queue order); if anything raises, the jobs claimed and not yet joined fail."""
+        joinable = cast(Joinable, engine)
+        pending: list[Job] = []  # claimed, to join together
+        blocked: list[Job] = []
+        starving = False
+        try:
+            for item in waiting:
+                if isinstance(item, Job):
+                    if starving or not self._fits(item, joinable, pending):
+                        blocked.append(item)
+                        starving = starving or item.overtaken >= self.max_overtakes
+                        continue
+                    if pending and (pending[0].lane == AGENT) != (item.lane == AGENT):
+                        # One lane per shared call: an interactive job's first tokens never
+                        # wait for the prefill of an agent job served after it.
+                        jobs, pending = pending, []
+                        if not self._join_together(run, engine, batch, jobs, joined):
+                            return
+                    if not self._claim_job(item):
+                        continue
+                    starving = self._overtake(blocked) or starving
+                    pending.append(item)
+                    continue
+                if pending:  # the jobs claimed before this call join first
+                    jobs, pending = pending, []
+                    if not self._join_together(run, engine, batch, jobs, joined):
+                        return
+                if self._claim(item):
+                    self._call(item)
+            if pending:
+                jobs, pending = pending, []
+                self._join_together(run, engine, batch, jobs, joined)
+        except BaseException as exc:  # claimed jobs not yet joined would be stranded
+            for job in pending:
+                self._join_failed(job, exc)
+            raise
+
+    def _fits(self, job: Job, joinable: Joinable | None, ahead: list[Job]) -> bool:
+        """Whether ``job`` may join the running batch now, after the jobs ``ahead``."""
+        rows = [row for other in ahead for row in other.rows]
+        return (
+            joinable is not None
+            and job.engine is cast(object, joinable)
+            and joinable.can_join([*rows, *job.rows])
+            and not self._reserved(job, joinable, rows)
+        )
+
+    def _claim_job(self, job: Job) -> bool:
+        """Take ``job`` off the queue to join (False: it was cancelled meanwhile)."""
+        with self._lock:
+            if not job.queued:
+                return False
+            self._pass_agents(job)
+            self._claim_locked(job)
+        return True
+
+    def _overtake(self, blocked: list[Job]) -> bool:
+        """Count a job joining ahead of each of ``blocked``; True once one was overtaken
+        enough that nothing more may join ahead of it."""
+        starving = False
+        for job in blocked:
+            job.overtaken += 1
+            starving = starving or job.overtaken >= self.max_overtakes
+        return starving
+
+    def _join_together(
+        self, run: BatchRun, engine: JoinTogether, batch: Any, jobs: list[Job], joined: Callable[[int], None] | None
+    ) -> bool:
+        """Join ``jobs`` (claimed) in one call; each that the engine refuses fails alone.
+        False when the batch has no rows left afterwards (see :meth:`_admit`): nothing more
+        may join it."""
         try:
             outcome = engine.join_together(batch, [job.rows for job in jobs])
             if len(outcome) != len(jobs):
@@ -405,6 +454,7 @@ class Scheduler:
                 run.start(job)
         if joined is not None and len(run.slots) > first:
             joined(first)
+        return bool(run.slots)
 
     def _join_failed(self, job: Job, exc: BaseException) -> None:
         log.error("join_failed", request_id=job.request_id, exc_info=exc)
@@ -485,7 +535,11 @@ class Scheduler:
                     # A joined job's first tokens now, not after everyone's next step, and
                     # before the next joining job's prefill (8 requests arriving at once get
                     # their first tokens one prefill apart, not all after the eighth).
-                    draw_first = functools.partial(self._draw, run, engine, batch, draw=eager.first_tokens) if eager is not None and stepped else None
+                    draw_first = (
+                        functools.partial(self._draw, run, engine, batch, draw=eager.first_tokens)
+                        if eager is not None and stepped
+                        else None
+                    )
                     self._admit(run, joinable, batch, draw_first)
                     if not run.slots:
                         break

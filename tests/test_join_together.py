@@ -28,6 +28,7 @@ class TogetherFake(EagerFake):
         self.broken = broken  # joins nothing and answers for one request fewer than asked
         self.together_calls: list[tuple[int, list[int]]] = []
         self.calls: list[str] = []  # "join 2,3" and "first 2" (rows), in order
+        self.joins_together = True  # an attribute here; the protocol reads it as a property
 
     def first_tokens(self, batch: FakeBatch, biases: Sequence[Mapping[int, float] | None]) -> list[int]:
         self.calls.append(f"first {len(biases)}")
@@ -71,6 +72,17 @@ def scheduler() -> Any:
 
 def test_the_fake_joins_together_and_the_eager_one_does_not() -> None:
     assert isinstance(TogetherFake(), JoinTogether) and not isinstance(EagerFake(), JoinTogether)
+
+
+def test_an_engine_that_says_it_would_share_nothing_joins_one_request_at_a_time(scheduler: Scheduler) -> None:
+    engine = TogetherFake(delay=0.005)
+    engine.joins_together = False
+    late = [job(engine, seed=2), job(engine, seed=3)]
+    running = running_then_queue(scheduler, engine, late)
+    for (_, sink), seed in zip(late, (2, 3), strict=True):
+        assert sink.end() == JobDone(cancelled=False) and sink.texts(1) == solo(FakeEngine(), seed)
+    assert running.end() == JobDone(cancelled=False)
+    assert engine.together_calls == [] and engine.calls == ["first 1", "first 1"]
 
 
 def test_waiting_requests_join_in_one_call_and_draw_their_first_tokens_once(scheduler: Scheduler) -> None:
@@ -137,3 +149,38 @@ def test_each_lane_joins_in_a_call_of_its_own_interactive_first(scheduler: Sched
         assert sink.end() == JobDone(cancelled=False) and sink.texts(1) == solo(FakeEngine(), seed)
     assert running.end() == JobDone(cancelled=False)
     assert engine.calls == ["join 3,4", "first 2", "join 2", "first 1"]
+
+
+def test_jobs_queued_before_a_model_call_join_before_it_runs(scheduler: Scheduler) -> None:
+    engine = TogetherFake(delay=0.005)
+    gate, entered = threading.Event(), threading.Event()
+    running, running_sink = job(engine, seed=1, tokens=12, processors=lambda: [Wait(gate, entered)])
+    scheduler.submit(running)
+    assert entered.wait(10)
+    first, first_sink = job(engine, seed=2)
+    scheduler.submit(first)
+    called = scheduler.call(lambda: engine.calls.append("call"))
+    second, second_sink = job(engine, seed=3)
+    scheduler.submit(second)
+    gate.set()
+    called.result(10)
+    assert first_sink.end() == second_sink.end() == running_sink.end() == JobDone(cancelled=False)
+    assert engine.calls == ["join 2", "first 1", "call", "join 3", "first 1"]
+
+
+class CanJoinRaises(TogetherFake):
+    """can_join raises for a request whose first row's seed is 3."""
+
+    def can_join(self, rows: Sequence[RowSpec]) -> bool:
+        if any(r.prompt_ids[1] == 3 for r in rows):
+            raise RuntimeError("can_join broke")
+        return super().can_join(rows)
+
+
+def test_claimed_jobs_fail_rather_than_wait_forever_when_admission_raises(scheduler: Scheduler) -> None:
+    """A job claimed to join together, then admission raises at the next one: the claimed
+    job fails (it is in neither the queue nor the batch), as does the batch."""
+    engine = CanJoinRaises(delay=0.005)
+    late = [job(engine, seed=2), job(engine, seed=3)]
+    running = running_then_queue(scheduler, engine, late)
+    assert isinstance(late[0][1].end(), JobFailed) and isinstance(running.end(), JobFailed)
