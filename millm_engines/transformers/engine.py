@@ -343,6 +343,13 @@ class TransformersEngine:
         ``max_rows`` rows in all."""
         return self.batches_requests and self._rows + len(rows) <= self.max_rows
 
+    @property
+    def joins_together(self) -> bool:
+        """Whether requests joining at once share the lean prefill's passes (elsewhere
+        each row is prefilled alone: the scheduler then joins them one at a time, and each
+        draws its first token right after its own prefill)."""
+        return self.lean is not None
+
     def join(self, batch: HFBatch, rows: Sequence[RowSpec]) -> None:
         """Prefill the joining rows now (see :meth:`join_together`)."""
         error = self.join_together(batch, [rows])[0]
@@ -364,8 +371,8 @@ class TransformersEngine:
         for rows in requests:
             try:
                 outcome.append(self._new_batch(rows))
-            except ValueError as exc:
-                outcome.append(exc)
+            except Exception as exc:  # noqa: BLE001 - this request's failure (a bad row, no memory)
+                outcome.append(self._failure(exc))
         subs = [sub for sub in outcome if isinstance(sub, HFBatch)]
         try:
             logits: list[torch.Tensor | BaseException] = list(prefill_all(self, subs)) if subs else []
@@ -377,11 +384,15 @@ class TransformersEngine:
                 errors.append(item)
                 continue
             result = logits.pop(0)
+            if not isinstance(result, BaseException):
+                try:
+                    item.first_logits = list(result.clone().unbind(0))
+                except Exception as exc:  # noqa: BLE001 - no memory for the copy: this request's failure
+                    result = self._failure(exc)
             if isinstance(result, BaseException):
                 errors.append(result)
                 continue
-            item.prefilled, item.started = result, True
-            item.first_logits = list(result.clone().unbind(0))
+            item.prefilled, item.started = result, True  # nothing from here on can fail
             self._rows += item.size
             batch.joining.append(item)
             errors.append(None)

@@ -49,10 +49,6 @@ from .taps import Captured
 # Row blocks tried, largest first: the matrix products' blocks are the largest size whose
 # rows this machine multiplies as alone (checked at load for every weight shape).
 BLOCKS = (128, 64, 32)
-# Row counts the check compares against single rows, up to the block tried: each side of
-# where oneDNN changes its blocking (AMX tiles hold 16 rows; plain bf16 products changed
-# past 32 rows, and a blocked 576 x 1536 product past 129 rows, on the AMX machine).
-_CHECK = (1, 2, 3, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128)
 # The logits' product runs over the prompts ending in a pass, in blocks of at most this many
 # (a batch holds up to 16 rows).
 LOGIT_BLOCK = 16
@@ -179,11 +175,13 @@ class LeanPrefill:
 
 def rows_refusal(linear: Linear, weight: torch.Tensor, block: int) -> str | None:
     """Why ``linear`` does not multiply each of up to ``block`` rows by ``weight`` as it
-    does that row alone (None: it does), on random rows."""
+    does that row alone (None: it does), on random rows, at every row count from 1 to
+    ``block`` (kernels change their blocking at counts of their own: a plain bf16 product
+    past 32 rows and a blocked 576 x 1536 one past 129 rows, on the AMX machine)."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn((block, weight.shape[1]), generator=generator).to(weight.device, weight.dtype)
     alone = torch.cat([linear(x[r : r + 1], weight) for r in range(block)])
-    for rows in (r for r in _CHECK if r <= block):
+    for rows in range(2, block + 1):
         if not torch.equal(linear(x[:rows], weight), alone[:rows]):
             return f"a {tuple(weight.shape)} product of {rows} rows differs from its rows' products alone"
     return None

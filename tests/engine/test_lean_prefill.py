@@ -177,8 +177,9 @@ def test_the_engine_prefills_together_where_the_check_passes(bf16: Any, long_dir
         assert bf16.lean is not None and bf16.lean_refusal is None and bf16.lean.block in BLOCKS
     else:
         assert (bf16.lean is None) == (bf16.lean_refusal is not None)
+    assert bf16.joins_together == (bf16.lean is not None)
     fp32 = _engine(long_dir, "float32")
-    assert fp32.lean is None and "float32" in fp32.lean_refusal
+    assert fp32.lean is None and "float32" in fp32.lean_refusal and not fp32.joins_together
 
 
 def _spec(prompt: Sequence[int], sampling: SamplingParams = GREEDY, **extra: Any) -> RowSpec:
