@@ -78,7 +78,7 @@ def resume(engine: TransformersEngine, part: HFBatch) -> tuple[bytes, Resume | N
     there (never for a tapped row: its readouts cover every prompt position)."""
     if engine.prefix is None:
         return b"", None
-    deltas = {layer: delta[0] for layer, delta in part.deltas.items()} if part.deltas else None
+    deltas = _row_deltas(part)
     root = engine.prefix.root(deltas)
     return root, (engine.prefix.lookup(root, part.prompts[0]) if part.taps is None else None)
 
@@ -108,15 +108,49 @@ def prefilled(
         part.reads = None
 
 
+def _row_deltas(part: HFBatch) -> dict[int, torch.Tensor] | None:
+    """A one-row batch's steering deltas, ``layer -> [d_model]``."""
+    return {layer: delta[0] for layer, delta in part.deltas.items()} if part.deltas else None
+
+
 def prefill_lean(engine: TransformersEngine, parts: Sequence[HFBatch]) -> list[torch.Tensor]:
     """One-row batches prefilled together by the lean prefill, each resumed from the
-    prefix cache where it can."""
+    prefix cache where it can. A prompt that repeats an earlier one's (a request's ``n``
+    rows; the same steering) and could resume whole chunks waits for a later pass, after
+    the first has stored its blocks: it then resumes them, as when rows ran one at a time."""
+    out: list[torch.Tensor | None] = [None] * len(parts)
+    for wave in _waves(engine, parts):
+        for i, logits in zip(wave, _prefill_wave(engine, [parts[i] for i in wave]), strict=True):
+            out[i] = logits
+    return [logits for logits in out if logits is not None]
+
+
+def _waves(engine: TransformersEngine, parts: Sequence[HFBatch]) -> list[list[int]]:
+    """The parts' indices in passes: the ``k``-th copy of a resumable prompt (longer than
+    a chunk, untapped, with the cache on) in pass ``k``; every other part in the first."""
+    waves: list[list[int]] = [[]]
+    seen: dict[tuple[bytes, tuple[int, ...]], int] = {}
+    for i, part in enumerate(parts):
+        prompt = part.prompts[0]
+        copy = 0
+        if engine.prefix is not None and part.taps is None and len(prompt) > engine.prefix.chunk:
+            deltas = _row_deltas(part)
+            key = (engine.prefix.root(deltas), tuple(prompt))
+            copy = seen.get(key, 0)
+            seen[key] = copy + 1
+        while len(waves) <= copy:
+            waves.append([])
+        waves[copy].append(i)
+    return waves
+
+
+def _prefill_wave(engine: TransformersEngine, parts: Sequence[HFBatch]) -> list[torch.Tensor]:
     assert engine.lean is not None
     prompts, roots = [], []
     for part in parts:
         root, found = resume(engine, part)
         roots.append(root)
-        deltas = {layer: delta[0] for layer, delta in part.deltas.items()} if part.deltas else None
+        deltas = _row_deltas(part)
         prompt = Prompt(part.prompts[0], deltas=deltas, taps=part.row_taps[0])
         if found is not None:
             prompt.done, prompt.keys, prompt.values = found.length, found.keys, found.values

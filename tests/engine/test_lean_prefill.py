@@ -262,3 +262,23 @@ def test_the_rows_check_can_fail() -> None:
     assert rows_refusal(by_row, weight, 4) is None
     failed = rows_refusal(lambda x, w: by_row(x, w) + x.shape[0], weight, 4)
     assert failed is not None and "of 2 rows" in failed
+
+
+def test_a_request_s_rows_with_one_long_prompt_resume_from_the_first(long_dir: str) -> None:
+    """Three seeded rows of one prompt of three chunks, the prefix cache on: the first row
+    computes it, the others resume its whole chunks (in a later pass), and every row's
+    tokens equal those it gets with the cache off."""
+    settings = load_settings({"dtype": "bfloat16", "prefix_cache_mb": 64}, environ={}, plugin_settings=[FAST_DECODE, PREFIX_CACHE_MB])
+    cached = load_engine(ModelLocation(path=long_dir, served_name="t"), settings)
+    assert cached.lean is not None or not ops_available()
+    off = _engine(long_dir, "bfloat16")
+    prompt = _prompts(cached.info.vocab_size, seed=4)[3]
+    rows = [_spec(prompt, SamplingParams(temperature=1.0, seed=s)) for s in (1, 2, 3)]
+    batch = cached.open_batch(rows)
+    got: list[list[int]] = [[t] for t in cached.step(batch, [None] * 3)]
+    assert cached.resumed(batch) == [0, 2 * CHUNK, 2 * CHUNK]
+    for _ in range(5):
+        for r, token in enumerate(cached.step(batch, [None] * 3)):
+            got[r].append(token)
+    cached.close(batch)
+    assert got == _solo(off, rows, steps=6)[0]
