@@ -446,6 +446,10 @@ class Scheduler:
                 raise RuntimeError(f"the engine's join_together answered for {len(outcome)} of {len(jobs)} requests")
         except Exception as exc:  # noqa: BLE001 - these jobs' error, not the batch's
             outcome = [exc] * len(jobs)
+        except BaseException as exc:  # the worker stops: these jobs are in neither the queue nor the batch
+            for job in jobs:
+                self._join_failed(job, exc)
+            raise
         first = len(run.slots)
         for job, error in zip(jobs, outcome, strict=True):
             if error is not None:

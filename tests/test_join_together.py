@@ -184,3 +184,24 @@ def test_claimed_jobs_fail_rather_than_wait_forever_when_admission_raises(schedu
     late = [job(engine, seed=2), job(engine, seed=3)]
     running = running_then_queue(scheduler, engine, late)
     assert isinstance(late[0][1].end(), JobFailed) and isinstance(running.end(), JobFailed)
+
+
+class JoinExits(TogetherFake):
+    """join_together raises SystemExit (not an Exception): the worker thread stops."""
+
+    def join_together(self, batch: FakeBatch, requests: Sequence[Sequence[RowSpec]]) -> list[BaseException | None]:
+        raise SystemExit("worker stops")
+
+
+def test_jobs_handed_to_an_engine_that_stops_the_worker_fail_rather_than_wait() -> None:
+    sched = Scheduler(max_queue=64)
+    try:
+        engine = JoinExits(delay=0.005)
+        late = [job(engine, seed=2), job(engine, seed=3)]
+        running = running_then_queue(sched, engine, late)
+        for _, sink in late:
+            failed = sink.end()
+            assert isinstance(failed, JobFailed) and isinstance(failed.error, SystemExit)
+        assert isinstance(running.end(), JobFailed)
+    finally:
+        sched.shutdown()

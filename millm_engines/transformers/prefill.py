@@ -116,7 +116,7 @@ def _row_deltas(part: HFBatch) -> dict[int, torch.Tensor] | None:
 def prefill_lean(engine: TransformersEngine, parts: Sequence[HFBatch]) -> list[torch.Tensor]:
     """One-row batches prefilled together by the lean prefill, each resumed from the
     prefix cache where it can. A prompt that repeats an earlier one's (a request's ``n``
-    rows; the same steering) and could resume whole chunks waits for a later pass, after
+    rows; the same steering) and could resume whole chunks waits for a second pass, after
     the first has stored its blocks: it then resumes them, as when rows ran one at a time."""
     out: list[torch.Tensor | None] = [None] * len(parts)
     for wave in _waves(engine, parts):
@@ -126,8 +126,9 @@ def prefill_lean(engine: TransformersEngine, parts: Sequence[HFBatch]) -> list[t
 
 
 def _waves(engine: TransformersEngine, parts: Sequence[HFBatch]) -> list[list[int]]:
-    """The parts' indices in passes: the ``k``-th copy of a resumable prompt (longer than
-    a chunk, untapped, with the cache on) in pass ``k``; every other part in the first."""
+    """The parts' indices in passes: the second and later copies of a resumable prompt
+    (longer than a chunk, untapped, with the cache on) in the second pass, which resumes
+    what the first stored; every other part in the first."""
     waves: list[list[int]] = [[]]
     seen: dict[tuple[bytes, tuple[int, ...]], int] = {}
     for i, part in enumerate(parts):
@@ -136,7 +137,7 @@ def _waves(engine: TransformersEngine, parts: Sequence[HFBatch]) -> list[list[in
         if engine.prefix is not None and part.taps is None and len(prompt) > engine.prefix.chunk:
             deltas = _row_deltas(part)
             key = (engine.prefix.root(deltas), tuple(prompt))
-            copy = seen.get(key, 0)
+            copy = min(seen.get(key, 0), 1)  # the first copy stores every whole chunk
             seen[key] = copy + 1
         while len(waves) <= copy:
             waves.append([])

@@ -264,19 +264,25 @@ def test_the_rows_check_can_fail() -> None:
     assert failed is not None and "of 2 rows" in failed
 
 
-def test_a_request_s_rows_with_one_long_prompt_resume_from_the_first(long_dir: str) -> None:
+def test_a_request_s_rows_with_one_long_prompt_resume_from_the_first(long_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three seeded rows of one prompt of three chunks, the prefix cache on: the first row
-    computes it, the others resume its whole chunks (in a later pass), and every row's
-    tokens equal those it gets with the cache off."""
+    computes it, the others resume its whole chunks (together, in a second pass), and
+    every row's tokens equal those it gets with the cache off."""
     settings = load_settings({"dtype": "bfloat16", "prefix_cache_mb": 64}, environ={}, plugin_settings=[FAST_DECODE, PREFIX_CACHE_MB])
     cached = load_engine(ModelLocation(path=long_dir, served_name="t"), settings)
-    assert cached.lean is not None or not ops_available()
     off = _engine(long_dir, "bfloat16")
     prompt = _prompts(cached.info.vocab_size, seed=4)[3]
     rows = [_spec(prompt, SamplingParams(temperature=1.0, seed=s)) for s in (1, 2, 3)]
+    passes: list[list[int]] = []  # each pass's prompts' resumed positions
+    if cached.lean is not None:
+        run = cached.lean.run
+        monkeypatch.setattr(cached.lean, "run", lambda prompts: (passes.append([p.done for p in prompts]), run(prompts))[1])
+    else:  # each row alone through HF's forward, one after another
+        assert not ops_available()
     batch = cached.open_batch(rows)
     got: list[list[int]] = [[t] for t in cached.step(batch, [None] * 3)]
     assert cached.resumed(batch) == [0, 2 * CHUNK, 2 * CHUNK]
+    assert passes == ([[0], [2 * CHUNK, 2 * CHUNK]] if cached.lean is not None else [])
     for _ in range(5):
         for r, token in enumerate(cached.step(batch, [None] * 3)):
             got[r].append(token)
