@@ -1,8 +1,9 @@
 """Same answer under load on the real model, by default: SmolLM2-135M in bfloat16 on the
 transformers engine, and the packaged Q4_1 GGUF on llama.cpp (a KV stream per sequence,
 flash attention, checked at load). 8 identical and 8 different greedy requests sent 50 ms
-apart (so later ones join a running batch) each get their solo text, and so do 8 seeded
-sampled ones on the GGUF file."""
+apart (so later ones join a running batch) each get their solo text, and so do 8 different
+ones sent at once (on the transformers engine their prompts then share prefill passes) and
+8 seeded sampled ones on the GGUF file."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def text(resp: httpx.Response) -> str:
     return str(resp.json()["choices"][0]["message"]["content"])
 
 
-def under_load(srv: ServeProcess, model: str, prompts: list[str], **sampling: Any) -> list[str]:
+def under_load(srv: ServeProcess, model: str, prompts: list[str], gap: float = 0.05, **sampling: Any) -> list[str]:
     out = [""] * len(prompts)
 
     def run(i: int) -> None:
@@ -43,7 +44,7 @@ def under_load(srv: ServeProcess, model: str, prompts: list[str], **sampling: An
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
         thread.start()
-        time.sleep(0.05)
+        time.sleep(gap)
     for thread in threads:
         thread.join()
     return out
@@ -53,6 +54,7 @@ def check(srv: ServeProcess, model: str, **sampling: Any) -> None:
     solo = [text(complete(srv, model, p, **sampling)) for p in PROMPTS]
     assert under_load(srv, model, [PROMPTS[0]] * 8, **sampling) == [solo[0]] * 8
     assert under_load(srv, model, PROMPTS, **sampling) == solo
+    assert under_load(srv, model, PROMPTS, gap=0.0, **sampling) == solo
 
 
 @pytest.fixture(scope="module")
