@@ -115,9 +115,10 @@ def _row_deltas(part: HFBatch) -> dict[int, torch.Tensor] | None:
 
 def prefill_lean(engine: TransformersEngine, parts: Sequence[HFBatch]) -> list[torch.Tensor]:
     """One-row batches prefilled together by the lean prefill, each resumed from the
-    prefix cache where it can. A prompt that repeats an earlier one's (a request's ``n``
-    rows; the same steering) and could resume whole chunks waits for a second pass, after
-    the first has stored its blocks: it then resumes them, as when rows ran one at a time."""
+    prefix cache where it can. A prompt whose first chunk repeats an earlier one's in the
+    same call (a request's ``n`` rows; requests with one long system prompt), with the same
+    steering, waits for a second pass, after the first has stored its blocks: it then
+    resumes what they share, as when rows ran one at a time."""
     out: list[torch.Tensor | None] = [None] * len(parts)
     for wave in _waves(engine, parts):
         for i, logits in zip(wave, _prefill_wave(engine, [parts[i] for i in wave]), strict=True):
@@ -126,23 +127,20 @@ def prefill_lean(engine: TransformersEngine, parts: Sequence[HFBatch]) -> list[t
 
 
 def _waves(engine: TransformersEngine, parts: Sequence[HFBatch]) -> list[list[int]]:
-    """The parts' indices in passes: the second and later copies of a resumable prompt
-    (longer than a chunk, untapped, with the cache on) in the second pass, which resumes
-    what the first stored; every other part in the first."""
-    waves: list[list[int]] = [[]]
-    seen: dict[tuple[bytes, tuple[int, ...]], int] = {}
+    """The parts' indices in passes: a resumable prompt (longer than a chunk, untapped,
+    with the cache on) whose first chunk and steering an earlier part's share, in the
+    second pass; every other part in the first."""
+    waves: list[list[int]] = [[], []]
+    seen: set[tuple[bytes, tuple[int, ...]]] = set()
     for i, part in enumerate(parts):
         prompt = part.prompts[0]
-        copy = 0
+        later = False
         if engine.prefix is not None and part.taps is None and len(prompt) > engine.prefix.chunk:
-            deltas = _row_deltas(part)
-            key = (engine.prefix.root(deltas), tuple(prompt))
-            copy = min(seen.get(key, 0), 1)  # the first copy stores every whole chunk
-            seen[key] = copy + 1
-        while len(waves) <= copy:
-            waves.append([])
-        waves[copy].append(i)
-    return waves
+            key = (engine.prefix.root(_row_deltas(part)), tuple(prompt[: engine.prefix.chunk]))
+            later = key in seen
+            seen.add(key)
+        waves[1 if later else 0].append(i)
+    return [wave for wave in waves if wave]
 
 
 def _prefill_wave(engine: TransformersEngine, parts: Sequence[HFBatch]) -> list[torch.Tensor]:

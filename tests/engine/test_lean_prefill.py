@@ -288,3 +288,26 @@ def test_a_request_s_rows_with_one_long_prompt_resume_from_the_first(long_dir: s
             got[r].append(token)
     cached.close(batch)
     assert got == _solo(off, rows, steps=6)[0]
+
+
+def test_requests_sharing_a_long_prefix_resume_it_from_the_first(long_dir: str) -> None:
+    """Three requests whose prompts share two chunks and end differently join in one call,
+    the prefix cache on: the first computes the shared part, the others resume it in a
+    second pass, and every one's tokens equal those it gets with the cache off."""
+    settings = load_settings({"dtype": "bfloat16", "prefix_cache_mb": 64}, environ={}, plugin_settings=[FAST_DECODE, PREFIX_CACHE_MB])
+    cached = load_engine(ModelLocation(path=long_dir, served_name="t"), settings)
+    off = _engine(long_dir, "bfloat16")
+    shared = _prompts(cached.info.vocab_size, seed=5)[3][: 2 * CHUNK + 7]
+    tails = _prompts(cached.info.vocab_size, seed=6)
+    requests = [[_spec(shared + tail)] for tail in (tails[0], tails[1], tails[0][:1])]
+    want = [_solo(off, rows, steps=6)[0][0] for rows in requests]
+    batch = cached.open_batch([_spec(tails[2])])
+    cached.step(batch, [None])
+    assert cached.join_together(batch, requests) == [None] * 3
+    got: list[list[int]] = [[t] for t in cached.first_tokens(batch, [None] * 3)]
+    assert cached.resumed(batch)[1:] == [0, 2 * CHUNK, 2 * CHUNK]
+    for _ in range(5):
+        for r, token in enumerate(cached.step(batch, [None] * 4)[1:]):
+            got[r].append(token)
+    cached.close(batch)
+    assert got == want
