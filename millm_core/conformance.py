@@ -49,6 +49,7 @@ from .engine import (
     Engine,
     EngineFactory,
     Joinable,
+    JoinTogether,
     ResidualReader,
     Rewinding,
     RowSpec,
@@ -91,6 +92,7 @@ def drive(
     joins: Mapping[int, Sequence[RowSpec]] | None = None,
     drop: Mapping[int, Sequence[int]] | None = None,
     eager: bool = False,
+    together: Mapping[int, Sequence[Sequence[RowSpec]]] | None = None,
 ) -> list[list[int]]:
     """Step ``rows`` together until each ends (at an EOS token, included, or after
     ``budget`` tokens) and return each row's tokens, in order: the initial rows, then the
@@ -98,8 +100,13 @@ def drive(
     ``drop[k]``: rows (by that index) freed with :meth:`Engine.retain` after step ``k``
     (0-based). A finished row is freed with ``retain`` too, as the core does. With
     ``eager``, rows that join after a step draw their first token at once
-    (:meth:`EagerJoin.first_tokens`), as the core does on such an engine."""
-    pending = dict(joins or {})
+    (:meth:`EagerJoin.first_tokens`), as the core does on such an engine.
+    ``together[k]``: requests whose rows join in one :meth:`JoinTogether.join_together`
+    call after ``k`` steps (each must be accepted); not at a step ``joins`` also uses."""
+    pending: dict[int, tuple[list[Sequence[RowSpec]], bool]] = {k: ([rows_k], False) for k, rows_k in (joins or {}).items()}
+    for k, requests in (together or {}).items():
+        assert k not in pending, f"step {k} has both joins and together"
+        pending[k] = (list(requests), True)
     drop = drop or {}
     out: list[list[int]] = [[] for _ in rows]
     live = list(range(len(rows)))
@@ -108,8 +115,14 @@ def drive(
         step = 0
         while live or pending:
             if step in pending or (not live and pending):
-                new = pending.pop(step if step in pending else min(pending))
-                cast(Joinable, engine).join(batch, list(new))
+                requests, grouped = pending.pop(step if step in pending else min(pending))
+                if grouped:
+                    outcome = cast(JoinTogether, engine).join_together(batch, [list(r) for r in requests])
+                    assert len(outcome) == len(requests), f"join_together answered for {len(outcome)} of {len(requests)} requests"
+                    assert all(e is None for e in outcome), f"join_together refused a request: {outcome}"
+                else:
+                    cast(Joinable, engine).join(batch, list(requests[0]))
+                new = [row for request in requests for row in request]
                 joined = range(len(out), len(out) + len(new))
                 live += joined
                 out += [[] for _ in new]
@@ -239,6 +252,24 @@ class EngineConformance:
         got = drive(engine, running, self.MAX_NEW_TOKENS, joins={self.JOIN_AFTER: joining}, eager=True)
         assert got[:2] == solo[:2], "the running rows changed when rows joined and drew at once"
         assert got[2:] == solo[2:], "a row that drew its first token at join differs from its solo run"
+
+    def test_requests_joined_together_equal_solo(self, conformance_engine: Engine) -> None:
+        """:class:`~millm_core.engine.JoinTogether`: two requests (one of two seeded rows)
+        joining in one call after ``JOIN_AFTER`` steps get the tokens each gets alone, and
+        the row already running keeps its own. (An engine that is not JoinTogether is
+        joined one request at a time, which the tests above cover.)"""
+        engine = conformance_engine
+        if not isinstance(engine, JoinTogether):
+            pytest.skip("engine is not JoinTogether")
+        prompts = self._prompts(engine)
+        running = self._row(prompts[0])
+        seeded = [SamplingParams(temperature=1.0, seed=self.SEED + i) for i in range(2)]
+        requests = [[self._row(prompts[2])], [self._row(prompts[1], seeded[0]), self._row(prompts[2], seeded[1])]]
+        solo = [self._solo(engine, running), *[row for request in requests for row in drive(engine, request, self.MAX_NEW_TOKENS)]]
+        self._runs_past(solo[0], self.JOIN_AFTER + 1)
+        got = drive(engine, [running], self.MAX_NEW_TOKENS, together={self.JOIN_AFTER: requests}, eager=isinstance(engine, EagerJoin))
+        assert got[0] == solo[0], "the running row changed when requests joined together"
+        assert got[1:] == solo[1:], "a request joined together with another differs from its run alone"
 
     def test_retain_frees_rows(self, conformance_engine: Engine) -> None:
         """``retain(keep=[1])`` after ``JOIN_AFTER`` steps leaves row 1 alone in the batch:

@@ -16,7 +16,7 @@ import pytest
 from millm_core.api import ConfigError, ModelLocation, RowSpec, SamplingParams
 from millm_core.config import load_settings
 from millm_core.conformance import EngineConformance, drive, registered_factory
-from millm_core.engine import Engine, EngineFactory
+from millm_core.engine import Engine, EngineFactory, JoinTogether
 from millm_core.loading import load, locate
 from millm_core.registry import ServedModel
 from millm_core.server.app import build_host
@@ -102,6 +102,11 @@ class TestExampleEngineConformance(EngineConformance):
         from millm_example_engine import plugin
 
         return registered_factory(plugin, "example")
+
+    def test_requests_joined_together_equal_solo(self, conformance_engine: Engine) -> None:
+        """The example engine joins one request at a time: it is not JoinTogether (the
+        core then joins its requests one by one, covered by the joining tests)."""
+        assert not isinstance(conformance_engine, JoinTogether)
 
 
 def test_the_reference_walk_is_not_trivial(model_path: str) -> None:
