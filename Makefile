@@ -48,6 +48,7 @@ bench: $(VENV)/.dev
 	$(PY) bench/bench_gguf.py
 	$(PY) bench/bench_peers.py
 	$(PY) bench/bench_rows.py
+	$(PY) bench/bench_prefill.py
 	$(PY) bench/bench_structured.py
 	$(PY) bench/bench_circuits.py
 	$(PY) bench/bench_activations.py
