@@ -19,7 +19,7 @@ from millm_core.api import ConfigError, ModelInfo, ModelLocation, Settings, oper
 from .engine import TransformersEngine
 from .fastpath import LlamaDecoder, unsupported_reason
 from .prefix import PrefixCache
-from .preflight import check_quantization, chosen_dtype, invariant_in_any_dtype, packing_plan
+from .preflight import auto_candidate, check_quantization, chosen_dtype, invariant_in_any_dtype, packing_plan
 from .settings import FAST_DECODE, PREFIX_CACHE_MB
 
 log = structlog.get_logger("millm.engine.transformers")
@@ -31,8 +31,8 @@ def is_checkpoint_dir(location: ModelLocation) -> bool:
     return os.path.isdir(location.path) and os.path.isfile(os.path.join(location.path, "config.json"))
 
 
-def _choose_dtype(settings: Settings, config: object) -> torch.dtype:
-    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+def _choose_dtype(settings: Settings, config: object, location: ModelLocation) -> torch.dtype:
+    declared = auto_candidate(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), location)
     return _DTYPES[chosen_dtype(settings.dtype, declared, lambda: invariant_in_any_dtype(config, settings))]
 
 
@@ -71,7 +71,7 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
     path = location.path
     config = AutoConfig.from_pretrained(path)
     check_quantization(location.served_name, getattr(config, "quantization_config", None))
-    dtype = _choose_dtype(settings, config)
+    dtype = _choose_dtype(settings, config, location)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)

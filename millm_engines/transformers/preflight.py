@@ -39,6 +39,26 @@ def chosen_dtype(setting: str, declared: object, invariant: Callable[[], bool]) 
     return name if name == "float32" or invariant() else "float32"
 
 
+# A ModelLocation.extra key: the dtype a model was published in, where a model source
+# converted it to a wider one (the default SmolLM2, dequantised from its GGUF to float32).
+PUBLISHED_DTYPE = "published_dtype"
+
+
+def auto_candidate(declared: object, location: ModelLocation) -> object:
+    """The dtype ``--dtype auto`` weighs for a checkpoint: the one its config declares, or
+    bfloat16 for a float32 checkpoint converted from a model published in bfloat16
+    (``location.extra["published_dtype"]``) where oneDNN runs bf16 matrix products on this
+    CPU (AVX-512; natively with AVX-512 BF16 or AMX). Elsewhere (AVX2) such a checkpoint
+    stays float32: there a bf16 prefill is several times slower than a float32 one."""
+    name = str(declared).removeprefix("torch.") if declared is not None else ""
+    if name == "float32" and location.extra.get(PUBLISHED_DTYPE) == "bfloat16":
+        from .packed import ops_available  # imports torch: only for such a checkpoint
+
+        if ops_available():
+            return "bfloat16"
+    return declared
+
+
 def invariant_in_any_dtype(config: object, settings: Settings) -> bool:
     """Whether a checkpoint with this config would decode batch-invariantly in every dtype:
     on the lean decode step, or on the generic HF forward with row-wise attention (which
@@ -203,7 +223,8 @@ def preflight(location: ModelLocation, settings: Settings) -> LoadPlan:
     config = _config(location.path)
     quantization = config.get("quantization_config")
     check_quantization(location.served_name, quantization)
-    dtype = chosen_dtype(settings.dtype, config.get("dtype") or config.get("torch_dtype"), lambda: invariant_in_any_dtype(config, settings))
+    declared = auto_candidate(config.get("dtype") or config.get("torch_dtype"), location)
+    dtype = chosen_dtype(settings.dtype, declared, lambda: invariant_in_any_dtype(config, settings))
     width = None if quantization is not None else SERVED_WIDTH[dtype]
     # Unreadable or malformed weight files raise: the core refuses the load before it
     # unloads anything (model_load_failed).

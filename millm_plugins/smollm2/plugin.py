@@ -37,7 +37,9 @@ def _materialise(settings: Settings) -> ModelLocation:
         served_name=MODEL_NAME,
         revision=revision,
         quantization=QUANTIZATION,
-        extra={"owned_by": "HuggingFaceTB"},
+        # Dequantised to float32 here; published in bf16: `--dtype auto` serves it in bf16
+        # on a CPU with bf16 kernels (see millm_engines.transformers.preflight.auto_candidate).
+        extra={"owned_by": "HuggingFaceTB", "published_dtype": "bfloat16"},
     )
 
 

@@ -9,6 +9,8 @@ import httpx
 import openai
 import pytest
 
+from millm_engines.transformers.packed import ops_available
+
 from .conftest import ServeProcess
 
 pytestmark = pytest.mark.e2e
@@ -30,7 +32,9 @@ def test_paris(smollm2_server: ServeProcess) -> None:
     assert "Paris" in resp.choices[0].message.content
     assert resp.choices[0].finish_reason == "stop"
     assert resp.system_fingerprint.startswith("millm:SmolLM2-135M-Instruct@")
-    assert resp.system_fingerprint.endswith(":float32/Q4_1-dequantized:transformers")
+    # Dequantised to float32, published in bf16: auto serves bf16 where the CPU has bf16 kernels.
+    dtype = "bfloat16" if ops_available() else "float32"
+    assert resp.system_fingerprint.endswith(f":{dtype}/Q4_1-dequantized:transformers")
     stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, temperature=0, max_tokens=30, stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == resp.choices[0].message.content

@@ -62,3 +62,25 @@ def test_an_explicit_dtype_is_served_as_asked(tmp_path: Path) -> None:
     settings = load_settings({"dtype": "bfloat16"}, environ={}, plugin_settings=[FAST_DECODE])
     engine = load_engine(ModelLocation(path=path, served_name="m"), settings)
     assert engine.info.dtype == "bfloat16" and engine.fast is None and engine.batch_invariant  # rows attend over their own columns
+
+
+@pytest.mark.parametrize("published", [None, "bfloat16"])
+def test_a_float32_conversion_of_a_bf16_model_is_served_in_bf16_where_the_cpu_has_bf16_kernels(
+    tmp_path: Path, published: str | None
+) -> None:
+    """A float32 checkpoint whose model source says the model was published in bf16 (the
+    default SmolLM2, dequantised from its GGUF) gets bf16 under ``auto`` on a CPU with bf16
+    kernels, float32 elsewhere; without that word it stays float32. The load plan agrees."""
+    from millm_engines.transformers.packed import ops_available
+
+    path = _declaring(tiny_model_dir(), tmp_path / "ckpt", "float32")
+    location = ModelLocation(path=path, served_name="m", extra={"published_dtype": published} if published else {})
+    settings = load_settings({}, environ={}, plugin_settings=[FAST_DECODE])
+    engine = load_engine(location, settings)
+    picked = "bfloat16" if published and ops_available() else "float32"
+    assert engine.info.dtype == picked and engine.batch_invariant
+    width = {"bfloat16": 2, "float32": 4}[picked]
+    packed = engine.fast.packed_bytes if engine.fast is not None else 0
+    assert preflight(location, settings).need["cpu"] == sum(p.numel() for p in engine.model.parameters()) * width + packed
+    explicit = load_engine(location, load_settings({"dtype": "float32"}, environ={}, plugin_settings=[FAST_DECODE]))
+    assert explicit.info.dtype == "float32"  # an explicit dtype is served as asked
