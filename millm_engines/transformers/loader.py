@@ -32,7 +32,8 @@ def is_checkpoint_dir(location: ModelLocation) -> bool:
 
 
 def _choose_dtype(settings: Settings, config: object, location: ModelLocation) -> torch.dtype:
-    declared = auto_candidate(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), location)
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    declared = auto_candidate(declared, location) if settings.dtype == "auto" else declared
     return _DTYPES[chosen_dtype(settings.dtype, declared, lambda: invariant_in_any_dtype(config, settings))]
 
 

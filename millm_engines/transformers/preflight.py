@@ -223,7 +223,8 @@ def preflight(location: ModelLocation, settings: Settings) -> LoadPlan:
     config = _config(location.path)
     quantization = config.get("quantization_config")
     check_quantization(location.served_name, quantization)
-    declared = auto_candidate(config.get("dtype") or config.get("torch_dtype"), location)
+    declared = config.get("dtype") or config.get("torch_dtype")
+    declared = auto_candidate(declared, location) if settings.dtype == "auto" else declared
     dtype = chosen_dtype(settings.dtype, declared, lambda: invariant_in_any_dtype(config, settings))
     width = None if quantization is not None else SERVED_WIDTH[dtype]
     # Unreadable or malformed weight files raise: the core refuses the load before it
