@@ -76,7 +76,8 @@ def test_a_write_on_one_server_is_seen_by_the_other(pair: tuple[Any, Any]) -> No
     assert chat(b).headers["x-millm-steering"] == "none"
     ok(httpx.post(a.base_url + "/api/saes/alpha/attach", json={"layer": 1}))
     ok(httpx.put(a.base_url + "/api/steering", json={"sae_id": "alpha", "features": features(FEATURES)}))
-    on_a = chat(a)
+    # A request that ran while a's own poll of the database moved its epoch says "changed".
+    on_a = eventually(a, lambda r: kinds(r) == ["manual"] and "changed" not in r.headers["x-millm-steering"])
     [(kind, params)] = parse(on_a.headers["x-millm-steering"])
     assert (kind, params["hash"]) == ("manual", spec_hash("alpha", FEATURES))
     # The other server's management routes answer with the database's state at once …
