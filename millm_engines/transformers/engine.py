@@ -40,9 +40,12 @@ from .taps import Captured, TapSet, block_hook, readouts
 
 
 def _non_finite_rows(logits: torch.Tensor) -> list[int]:
-    """Rows whose logits hold a NaN or ±inf (one reduction over the batch)."""
-    bad = ~torch.isfinite(logits).all(dim=-1)
-    return bad.nonzero().flatten().tolist() if bool(bad.any()) else []
+    """Rows whose logits hold a NaN or ±inf. A row's sum is finite only if all its logits
+    are, so one sum per row clears them (a twentieth of an elementwise check over a 49k
+    vocabulary); a row whose sum is not finite (a NaN, an inf, or finite logits so large
+    their sum overflows) is checked element by element."""
+    suspect = (~torch.isfinite(logits.sum(dim=-1))).nonzero().flatten().tolist()
+    return [row for row in suspect if not bool(torch.isfinite(logits[row]).all())]
 
 
 class TransformersEngine:

@@ -8,7 +8,10 @@ import math
 import pytest
 
 from millm_core.api import RowsFailed
+import torch
+
 from millm_core.engine import RowSpec, SamplingParams
+from millm_engines.transformers.engine import _non_finite_rows
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -32,3 +35,16 @@ def test_a_non_finite_row_is_reported_alone(tiny_engine) -> None:  # type: ignor
     assert set(info.value.errors) == {1}
     assert info.value.errors[1].code == "non_finite_logits"  # type: ignore[attr-defined]
     assert info.value.tokens[0] == expected
+
+
+def test_non_finite_rows_are_found_wherever_they_are() -> None:
+    """NaN and either infinity are found at any position; finite logits whose sum
+    overflows float32 are not mistaken for them."""
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0))
+    logits[1, 0] = math.nan
+    logits[2, 999] = math.inf
+    logits[3, 500] = -math.inf
+    logits[4, 10], logits[4, 20] = math.inf, -math.inf
+    logits[5] = 3e38  # finite, but the row sums to inf
+    assert _non_finite_rows(logits) == [1, 2, 3, 4]
+    assert _non_finite_rows(logits[[0, 5]]) == []

@@ -13,6 +13,19 @@ def test_greedy_is_argmax() -> None:
     assert sample(logits, [SamplingParams(temperature=0.0)] * 4, [0] * 4) == logits.argmax(-1).tolist()
 
 
+def test_greedy_ties_pick_the_first_maximum() -> None:
+    """Tied maxima resolve to the lowest index, as ``argmax`` does, in all-greedy calls
+    and in greedy rows among sampled ones."""
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randint(0, 4, (6, 300), generator=generator).float()
+    logits[0] = 1.0  # every token tied
+    want = [int(torch.nonzero(row == row.max())[0]) for row in logits]
+    assert sample(logits, [SamplingParams(temperature=0.0)] * 6, [0] * 6) == want
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)] * 3
+    picked = sample(logits, mixed, [0] * 6)
+    assert [picked[i] for i in (0, 2, 4)] == [want[i] for i in (0, 2, 4)]
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     want = logits.argmax(-1).tolist()
