@@ -35,6 +35,7 @@ def _structs_in(info: mi.Type) -> list[mi.StructType]:
 
 
 def _list_items(info: mi.Type) -> mi.Type | None:
+    """The item type of the list a value of ``info`` may be (through unions and Meta)."""
     if isinstance(info, mi.Metadata):
         return _list_items(info.type)
     if isinstance(info, mi.UnionType):
@@ -48,7 +49,31 @@ def _list_items(info: mi.Type) -> mi.Type | None:
     return None
 
 
-def _walk(value: Any, info: mi.StructType, prefix: str, out: list[str]) -> None:
+def _struct_for(value: dict[str, Any], info: mi.Type) -> mi.StructType | None:
+    """The Struct type ``value`` decodes as under ``info``: the only one, or the member of
+    a tagged union whose tag ``value`` carries (None when that cannot be told)."""
+    structs = _structs_in(info)
+    if len(structs) == 1:
+        return structs[0]
+    tagged = [s for s in structs if s.tag_field is not None and value.get(s.tag_field) == s.tag]
+    return tagged[0] if len(tagged) == 1 else None
+
+
+def _walk_value(value: Any, info: mi.Type, location: str, out: list[str]) -> None:
+    """Report the unknown keys of ``value`` (at ``location``), typed ``info``: objects
+    that decode as a Struct, and lists of them at any depth."""
+    if isinstance(value, dict):
+        struct = _struct_for(value, info)
+        if struct is not None:
+            _walk(value, struct, location, out)
+    elif isinstance(value, list):
+        item_type = _list_items(info)
+        if item_type is not None:
+            for index, element in enumerate(value):
+                _walk_value(element, item_type, f"{location}[{index}]", out)
+
+
+def _walk(value: dict[str, Any], info: mi.StructType, prefix: str, out: list[str]) -> None:
     fields = {f.encode_name: f for f in info.fields}
     for key, item in value.items():
         field = fields.get(key)
@@ -58,17 +83,7 @@ def _walk(value: Any, info: mi.StructType, prefix: str, out: list[str]) -> None:
         if field is None:
             out.append(location)
             continue
-        if isinstance(item, dict):
-            structs = _structs_in(field.type)
-            if len(structs) == 1:
-                _walk(item, structs[0], location, out)
-        elif isinstance(item, list):
-            item_type = _list_items(field.type)
-            structs = _structs_in(item_type) if item_type is not None else []
-            if len(structs) == 1:
-                for index, element in enumerate(item):
-                    if isinstance(element, dict):
-                        _walk(element, structs[0], f"{location}[{index}]", out)
+        _walk_value(item, field.type, location, out)
 
 
 def unknown_fields(raw: dict[str, Any], type_: type) -> list[str]:

@@ -37,6 +37,21 @@ def test_unused_fields_are_reported_streaming_too(server) -> None:  # type: igno
     assert ignored(clean) is None
 
 
+def test_unknown_keys_in_nested_lists_and_tagged_unions_are_reported(server) -> None:  # type: ignore[no-untyped-def]
+    """Keys nobody declared inside ``extra_messages`` conversations and inside a
+    ``response_format`` object are named too, not dropped."""
+    body = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "extra_messages": [[{"role": "user", "content": "hello", "weight": 2}]],
+        "response_format": {"type": "json_object", "foo": 1},
+        "max_tokens": 2,
+    }
+    resp = post(server, "/v1/chat/completions", body)
+    assert resp.status_code == 200, resp.text
+    assert ignored(resp) == ["extra_messages[0][0].weight", "response_format.foo"]
+
+
 def test_header_is_capped_and_nonprintable_names_are_encoded(server) -> None:  # type: ignore[no-untyped-def]
     body = {"model": "tiny", "prompt": "x", "max_tokens": 1, **{f"field_{i:03d}_padding_padding": i for i in range(80)}, "clé": 1}
     resp = post(server, "/v1/completions", body)
