@@ -111,13 +111,16 @@ def millm_register_settings(register: Callable[[PluginSetting[Any]], None]) -> N
 def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
     """A greedy draw takes the likeliest token whatever ``top_p`` or ``top_k`` say, so a
     greedy request that sends either is refused rather than ignored (penalties change
-    the logits a greedy draw reads, so they stay honoured)."""
+    the logits a greedy draw reads, so they stay honoured). A field another plugin has
+    already reported unused (a scoring request's ``top_p``) is left reported."""
     if ctx.endpoint == "embeddings":
         return []
     sent = _sent(request)
     if _effective(ctx, request).get("temperature", 1.0) != 0.0:
         return []
-    pointless = [name for name in ("top_p", "top_k") if name in sent and not (name == "top_p" and sent[name] == 1.0)]
+    pointless = [
+        name for name in ("top_p", "top_k") if name in sent and name not in ctx.ignored_fields and not (name == "top_p" and sent[name] == 1.0)
+    ]
     return [
         Problem(f"{name} cannot change a greedy (temperature 0) draw; leave it out or sample with temperature > 0", param=name, code="invalid_sampling_parameter")
         for name in pointless

@@ -60,6 +60,9 @@ MIN_TEMPERATURE = 0.001
 # Fields that cannot change a scored answer; sent with a scoring request they are reported.
 INERT_WHEN_SCORING = ("top_p", "top_k", "stop", "frequency_penalty", "presence_penalty")
 NEVER_WHEN_SCORING = ("profile", "steering_intensity", "steering", "response_format", "tools", "tool_choice")
+# Their values that ask for nothing (the API contract's neutral values), accepted on scoring too.
+NEUTRAL_WHEN_SCORING: dict[str, Any] = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}
+_NO_NEUTRAL = object()
 SCORING_KEY_PREFIX = "token_id:"
 
 
@@ -148,11 +151,11 @@ def _problems_when_scoring(ctx: RequestContext, request: Any) -> Iterable[Proble
             yield Problem("allowed_token_ids must be non-negative token ids", param="allowed_token_ids", code="invalid_scoring_request")
     for name in NEVER_WHEN_SCORING:
         value = getattr(request, name, msgspec.UNSET)
-        if _sent(value) and not (name == "tools" and value == []):
+        if _sent(value) and msgspec.to_builtins(value) != NEUTRAL_WHEN_SCORING.get(name, _NO_NEUTRAL):
             yield Problem(f"{name} cannot be used on a scoring request: scoring is never steered or constrained", param=name, code="field_not_honoured")
 
 
-@hookimpl
+@hookimpl(tryfirst=True)  # reports the fields scoring leaves unused before other plugins judge them
 def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
     if ctx.endpoint == "embeddings":
         return []

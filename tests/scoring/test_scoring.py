@@ -129,6 +129,29 @@ def test_inert_fields_are_reported_and_seed_echoed(server) -> None:  # type: ign
     assert resp.headers["x-millm-seed"] == '4;scope="request"'
 
 
+def test_greedy_scoring_reports_top_p_and_top_k_too(server) -> None:  # type: ignore[no-untyped-def]
+    """Scoring draws nothing, so top_p and top_k are unused there at any temperature:
+    reported, not refused as they are on a greedy generation."""
+    body = {"prompt": "x", "max_tokens": 1, "logprobs": 1, "temperature": 0, "top_p": 0.5, "top_k": 3}
+    resp = post(server, "/v1/completions", body)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-millm-ignored-fields"] == '"top_p", "top_k"'
+    generation = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "temperature": 0, "top_p": 0.5})
+    assert generation.status_code == 400 and generation.json()["error"]["code"] == "invalid_sampling_parameter"
+
+
+def test_neutral_values_are_accepted_on_scoring_requests(server) -> None:  # type: ignore[no-untyped-def]
+    """The contract's neutral values ask for nothing, so scoring accepts them; other
+    values of the same fields are refused."""
+    base = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "max_tokens": 1}
+    neutral = {"response_format": {"type": "text"}, "tool_choice": "none", "tools": []}
+    resp = httpx.post(server.base_url + "/v1/chat/completions", json={**base, **neutral}, timeout=30)
+    assert resp.status_code == 200, resp.text
+    for name, value in (("response_format", {"type": "json_object"}), ("tool_choice", "auto")):
+        refused = httpx.post(server.base_url + "/v1/chat/completions", json={**base, name: value}, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == name, refused.text
+
+
 # ----------------------------------------------------------------- float32 scoring
 
 
