@@ -99,6 +99,9 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
+    """One choice of a non-streamed chat completion: its generated message and why generation ended (``stop``, ``length`` or
+    ``tool_calls``). ``logprobs`` is always null (scoring mode answers with its own shapes)."""
+
     index: int
     message: AssistantMessage
     finish_reason: ChatFinishReason
@@ -127,6 +130,9 @@ class ChatDelta(msgspec.Struct, kw_only=True):
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    """One choice in a chat stream chunk: what the chunk adds to its message (``delta``); ``finish_reason`` is null until the
+    chunk that ends the choice. ``logprobs`` is always null."""
+
     index: int
     delta: ChatDelta
     finish_reason: ChatFinishReason | None = None

@@ -24,6 +24,9 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
+    """One choice of a non-streamed text completion: the generated text and why generation ended (``stop`` or ``length``).
+    ``logprobs`` is always null (scoring mode answers with its own shapes)."""
+
     index: int
     text: str
     finish_reason: FinishReason
@@ -43,6 +46,9 @@ class CompletionResponse(msgspec.Struct, kw_only=True):
 
 
 class CompletionChunkChoice(msgspec.Struct, kw_only=True):
+    """One choice in a text completion stream chunk: the text the chunk adds; ``finish_reason`` is null until the chunk that
+    ends the choice. ``logprobs`` is always null."""
+
     index: int
     text: str
     finish_reason: FinishReason | None = None

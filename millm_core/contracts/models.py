@@ -36,5 +36,8 @@ class ModelCard(msgspec.Struct, kw_only=True):
 
 
 class ModelList(msgspec.Struct, kw_only=True):
+    """``GET /v1/models``: the models a client may name (the loaded ones, then with ``--auto-load`` those a request would load;
+    only the locked one while a model is locked)."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]

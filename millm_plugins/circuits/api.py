@@ -97,11 +97,15 @@ class CircuitImported(CircuitInfo, kw_only=True):
 
 
 class CircuitList(msgspec.Struct, kw_only=True):
+    """``GET /api/circuits``: the imported circuits, sorted by name, then id."""
+
     object: str = "list"
     data: list[CircuitInfo]
 
 
 class CircuitDeleted(msgspec.Struct, kw_only=True):
+    """``DELETE /api/circuits/{id}``: the id of the circuit deleted."""
+
     id: str
     deleted: bool
 
@@ -125,6 +129,9 @@ class CircuitSteering(msgspec.Struct, kw_only=True):
 
 
 class ActiveCircuit(msgspec.Struct, kw_only=True):
+    """One active circuit in ``ActiveCircuits``: its id, name, rung and the ladder's phrase for it, its persistent dial and
+    declared range, and how it steers now (``rung``, ``language`` and ``intensity_range`` are null when it is unreadable)."""
+
     id: str
     name: str
     rung: int | None

@@ -58,6 +58,8 @@ class CircuitMemberSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
 
 class CircuitEdgeEnd(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One end of a document's edge: a member of the circuit, named by its ``layer`` and ``feature_idx``."""
+
     layer: int
     feature_idx: int
 
@@ -105,6 +107,8 @@ class Slice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 
 
 class Edge(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A compiled edge: its upstream and downstream members as ``(layer, feature index)``, and its rung."""
+
     up: tuple[int, int]
     down: tuple[int, int]
     rung: int

@@ -42,11 +42,15 @@ class ProbeInfo(msgspec.Struct, kw_only=True):
 
 
 class ProbeList(msgspec.Struct, kw_only=True):
+    """``GET /api/probes``: the probes, sorted by name, then id (``?armed=true`` or ``false``: only those armed, or not)."""
+
     object: str = "list"
     data: list[ProbeInfo]
 
 
 class ProbeDeleted(msgspec.Struct, kw_only=True):
+    """``DELETE /api/probes/{id}``: the id of the probe deleted (disarmed as well)."""
+
     id: str
     deleted: bool
 

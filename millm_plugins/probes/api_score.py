@@ -48,6 +48,8 @@ NonNegative = Annotated[int, Meta(ge=0)]
 
 
 class ScoreMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One message of a chat input (``ScoreInput.messages``): a role and its text, rendered as a chat completion renders them."""
+
     role: str
     content: str
 

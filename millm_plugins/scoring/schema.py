@@ -47,6 +47,9 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
 
 
 class CompletionScoringChoice(msgspec.Struct, kw_only=True):
+    """One scored prompt of a text completion in scoring mode: ``text`` is its most probable allowed next token. ``logprobs``
+    (the legacy shape) only when the request sent ``logprobs``; ``finish_reason`` is always ``length``."""
+
     index: int
     text: str
     finish_reason: Literal["length"] = "length"
@@ -67,12 +70,18 @@ class CompletionScoringResponse(msgspec.Struct, kw_only=True):
 
 
 class TopLogprob(msgspec.Struct, kw_only=True):
+    """One alternative in a chat scoring choice's ``top_logprobs``: the token (its text, or ``token_id:<id>``), its
+    log-probability and the UTF-8 bytes of its text."""
+
     token: str
     logprob: float
     bytes: list[int]
 
 
 class TokenLogprob(msgspec.Struct, kw_only=True):
+    """The scored next token of a chat scoring choice: the token (its text, or ``token_id:<id>``), its log-probability, the
+    UTF-8 bytes of its text, and the alternatives ``top_logprobs`` asked for."""
+
     token: str
     logprob: float
     bytes: list[int]
@@ -80,15 +89,22 @@ class TokenLogprob(msgspec.Struct, kw_only=True):
 
 
 class ChatLogprobs(msgspec.Struct, kw_only=True):
+    """OpenAI's chat ``logprobs`` object of a scoring choice: ``content`` has one entry, the scored next position."""
+
     content: list[TokenLogprob]
 
 
 class ScoredMessage(msgspec.Struct, kw_only=True):
+    """The message of a chat scoring choice: ``content`` is the text of the most probable allowed next token (nothing is generated)."""
+
     role: Literal["assistant"] = "assistant"
     content: str
 
 
 class ChatScoringChoice(msgspec.Struct, kw_only=True):
+    """One scored conversation of a chat completion in scoring mode (``messages``, then each of ``extra_messages``).
+    ``logprobs`` only with ``logprobs: true``; ``finish_reason`` is always ``length``."""
+
     index: int
     message: ScoredMessage
     finish_reason: Literal["length"] = "length"

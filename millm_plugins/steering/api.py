@@ -94,11 +94,15 @@ class SAEInfo(msgspec.Struct, kw_only=True):
 
 
 class SAEList(msgspec.Struct, kw_only=True):
+    """``GET /api/saes``: the registered SAEs (one whose files cannot be read is listed with ``status: "unreadable"``)."""
+
     object: str = "list"
     data: list[SAEInfo]
 
 
 class SAEDeleted(msgspec.Struct, kw_only=True):
+    """``DELETE /api/saes/{id}``: the id of the SAE forgotten (it is detached everywhere too)."""
+
     id: str
     deleted: bool
 
@@ -119,6 +123,9 @@ class FeatureQuery(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class FeatureHit(msgspec.Struct, kw_only=True):
+    """One feature of a ``FeatureReport``: its index, its peak and mean activation over the text's tokens, and the token
+    where it peaks."""
+
     index: int
     max: float
     mean: float
@@ -126,6 +133,9 @@ class FeatureHit(msgspec.Struct, kw_only=True):
 
 
 class FeatureReport(msgspec.Struct, kw_only=True):
+    """``POST /api/saes/{id}/features``: the SAE and layer read, the text's token count, and the features that fire on it
+    (at most ``top_k``, highest peak first)."""
+
     sae_id: str
     layer: int
     tokens: int
@@ -143,12 +153,16 @@ class ManualValues(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class ManualEntry(msgspec.Struct, kw_only=True):
+    """The manual values of one attachment (``sae_id`` at ``layer``) in ``GET /api/steering``, its features sorted by index."""
+
     sae_id: str
     layer: int
     features: list[Feature]
 
 
 class ActiveProfile(msgspec.Struct, kw_only=True):
+    """The active profile in ``GET /api/steering``: its name and the attachment (``sae_id`` at ``layer``) it applies to."""
+
     name: str
     sae_id: str
     layer: int

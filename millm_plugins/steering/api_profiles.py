@@ -55,20 +55,29 @@ class ProfileInfo(msgspec.Struct, kw_only=True):
 
 
 class ProfileList(msgspec.Struct, kw_only=True):
+    """``GET /api/profiles`` (every profile, clusters included) and ``GET /api/clusters`` (clusters only), sorted by name."""
+
     object: str = "list"
     data: list[ProfileInfo]
 
 
 class ProfileDeleted(msgspec.Struct, kw_only=True):
+    """``DELETE /api/profiles/{name}`` and ``DELETE /api/clusters/{name}``: the name deleted (an active one is deactivated
+    in the same write)."""
+
     name: str
     deleted: bool
 
 
 class ActiveInfo(msgspec.Struct, kw_only=True):
+    """``GET /api/profiles/active``: the active profile or cluster, or null when none is active."""
+
     active: ProfileInfo | None
 
 
 class Imported(msgspec.Struct, kw_only=True):
+    """``POST /api/profiles/import``: the names of the profiles written, in the document's order."""
+
     imported: list[str]
 
 

@@ -69,17 +69,26 @@ class ProfileExport(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class ClusterSAE(msgspec.Struct, kw_only=True):
+    """The SAE a cluster document needs: attached at ``layer``, of width ``n_features`` (the import binds the one attached
+    SAE that matches)."""
+
     layer: int
     n_features: int
 
 
 class ClusterMember(msgspec.Struct, kw_only=True):
+    """One member of a cluster document: a feature and its strength; ``sign`` (``1``, ``-1``, ``"+"``, ``"-"``,
+    ``"positive"`` or ``"negative"``; default positive) multiplies the strength."""
+
     feature_idx: int
     strength: float
     sign: int | str | None = None
 
 
 class ClusterBudget(msgspec.Struct, kw_only=True):
+    """A cluster document's ``budget``: the initial dial λ and the author's declared ``intensity_range``, which become the
+    profile's dial."""
+
     intensity: float = 1.0
     intensity_range: tuple[float, float] | None = None
 

@@ -28,6 +28,8 @@ class Tool(msgspec.Struct, kw_only=True):
 
 
 class NamedFunction(msgspec.Struct, kw_only=True):
+    """The ``function`` object of a forcing ``tool_choice``: the name of the function the model must call."""
+
     name: FunctionName
 
 
