@@ -47,6 +47,8 @@ KNOWN_FIELDS: Mapping[str, Callable[[Any], bool]] = {
     # OpenAI's generation fields, where an endpoint does not declare them (embeddings)
     "seed": _never,
     "n": _number(1),
+    "max_tokens": _never,
+    "max_completion_tokens": _never,
     # the API contract's extensions, and vLLM's that clients commonly send
     "top_k": _never,
     "min_p": _number(0),

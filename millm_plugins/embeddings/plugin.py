@@ -18,12 +18,15 @@ from millm_core.api import (
     Execution,
     FieldNotHonoured,
     FieldRule,
+    InvalidRequest,
     Outcome,
     PluginSetting,
+    Problem,
     Reply,
     RequestContext,
     RequestField,
     ServedModel,
+    SwitchTarget,
     hookimpl,
     model_endpoint,
 )
@@ -55,12 +58,34 @@ def millm_register_request_fields(register: Callable[[RequestField[Any]], None])
 @hookimpl
 def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
     register(FieldRule("encoding_format", ("embeddings",), by=NAME, requires=Capability.EMBEDDINGS))
-    register(FieldRule("pooling", ("embeddings",), by=NAME, requires=Capability.EMBEDDINGS, condition='"mean" only on this engine'))
+    # ``pooling`` is honoured where the engine declares POOLINGS (its RequestField); elsewhere
+    # only its neutral "mean" is accepted, and another value is refused before any model load.
 
 
 @hookimpl
 def millm_register_routes(register: Callable[..., None]) -> None:
     register("/v1/embeddings", model_endpoint("embeddings"), ["POST"])
+
+
+def _input_problems(ctx: RequestContext, request: Any) -> list[Problem]:
+    """An empty input, an empty string or more inputs than ``embeddings_max_inputs``."""
+    try:
+        check_inputs(request.inputs(), isinstance(request.input, str), MAX_INPUTS.get(ctx.settings))
+    except InvalidRequest as exc:
+        return [Problem(exc.message, param=exc.param, code=exc.code, status=exc.status)]
+    return []
+
+
+@hookimpl
+def millm_validate_switch(ctx: RequestContext, request: Any, target: SwitchTarget) -> list[Problem]:
+    """Inputs that would be refused anyway are refused before the resident model is
+    unloaded for ``target``."""
+    return _input_problems(ctx, request) if ctx.endpoint == "embeddings" else []
+
+
+@hookimpl
+def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
+    return _input_problems(ctx, request) if ctx.endpoint == "embeddings" else []
 
 
 async def _embed(ctx: RequestContext, request: Any, model: ServedModel, engine: Any, pooling: str) -> Reply:
@@ -92,5 +117,4 @@ def millm_execute(ctx: RequestContext, request: Any, model: ServedModel) -> Exec
     pooling = POOLING.get(request) or "mean"
     if pooling != "mean" and Capability.POOLINGS not in model.capabilities:
         raise FieldNotHonoured(f"pooling {pooling!r} is not available on the {model.info.engine} engine; it pools by mean only", param="pooling")
-    check_inputs(request.inputs(), isinstance(request.input, str), MAX_INPUTS.get(ctx.settings))
     return Compute(lambda: _embed(ctx, request, model, engine, pooling))

@@ -54,6 +54,8 @@ def test_refusals(server, tiny_engine) -> None:  # type: ignore[no-untyped-def]
     assert post({"input": "x", "dimensions": 8}) | {"message": ""} == {"message": "", "type": "invalid_request_error", "param": "dimensions", "code": "field_not_honoured"}
     assert post({"input": "x", "pooling": "max"})["param"] == "pooling"
     assert post({"input": "x", "scoring_precision": "float32"})["code"] == "field_not_honoured"
+    for name in ("max_tokens", "max_completion_tokens"):  # generation lengths: nothing to generate here
+        assert post({"input": "x", name: 5}) | {"message": ""} == {"message": "", "type": "invalid_request_error", "param": name, "code": "field_not_honoured"}
     assert post({"input": ""})["param"] == "input"
     assert post({"input": []})["param"] == "input"
     error = post({"input": ["ok", "", "fine", ""]})

@@ -141,6 +141,15 @@ def test_a_refused_request_never_evicts_the_resident(srv: RunningServer, gate: G
         if param is not None:
             assert resp.json()["error"]["param"] == param, resp.text
         assert _loaded(srv) == ["tiny"], (model, extra)
+    embeddings: list[tuple[str, dict[str, Any], str, str]] = [
+        ("tiny.gguf", {"input": "x", "pooling": "last"}, "field_not_honoured", "pooling"),  # GGUF pools by mean only
+        ("tiny-b", {"input": ""}, "invalid_parameter", "input"),  # the plugin's input checks
+        ("tiny-b", {"input": []}, "invalid_parameter", "input"),
+    ]
+    for model, body, code, param in embeddings:
+        resp = post(srv, "/v1/embeddings", {"model": model, **body})
+        assert (resp.status_code, resp.json()["error"]["code"], resp.json()["error"]["param"]) == (400, code, param), (model, resp.text)
+        assert _loaded(srv) == ["tiny"], (model, body)
     assert gate.events == ["loaded:tiny:0"]
     huge = post(srv, "/v1/completions", {"model": "huge", **GREEDY}).json()["error"]["message"]
     assert "1048576 MiB needed on cpu" in huge and "free" in huge and "unloading 'tiny' gives back" in huge
