@@ -50,6 +50,9 @@ def millm_validate(ctx: RequestContext, request: Any) -> Iterable[Problem]:
                 param="max_completion_tokens",
             )
         )
+    if not ctx.stream and _sent(getattr(request, "stream_options", None)):
+        # As OpenAI: the options shape a stream, and nothing else reads them.
+        problems.append(Problem("stream_options is only allowed with stream: true", param="stream_options"))
     if ctx.stream and _sent(request.n) and request.n > 1:
         problems.append(Problem("n > 1 is not available with stream: true; send n: 1 or stream: false", param="n"))
     n = request.n if _sent(request.n) else 1

@@ -55,8 +55,9 @@ def millm_register_request_fields(register: Callable[[RequestField[Any]], None])
 def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
     for name in ("temperature", "top_p", "stop", "frequency_penalty", "presence_penalty"):
         register(FieldRule(name, GENERATION_ENDPOINTS, by=NAME))
-    for name in ("stream", "stream_options", "max_tokens", "max_completion_tokens"):
+    for name in ("stream", "max_tokens", "max_completion_tokens"):
         register(FieldRule(name, GENERATION_ENDPOINTS, by=NAME, requires=Capability.GENERATE))
+    register(FieldRule("stream_options", GENERATION_ENDPOINTS, by=NAME, requires=Capability.GENERATE, condition="with stream: true"))
     register(FieldRule("seed", GENERATION_ENDPOINTS, by=NAME, requires=Capability.SEED))
     register(FieldRule("n", GENERATION_ENDPOINTS, by=NAME, requires=Capability.MULTIPLE_CHOICES, condition="not streaming"))
 

@@ -185,6 +185,10 @@ def test_include_usage_false_sends_no_usage(server) -> None:  # type: ignore[no-
 
     assert not any("usage" in f for f in frames({"include_usage": False}))
     assert any("usage" in f for f in frames({"include_usage": True})) and any("usage" in f for f in frames(None))
+    # Without a stream nothing reads the options: refused (as OpenAI does), not dropped.
+    unstreamed = _chat(server.base_url, max_tokens=2, stream_options={"include_usage": False})
+    assert unstreamed.status_code == 400 and unstreamed.json()["error"]["param"] == "stream_options", unstreamed.text
+    assert _chat(server.base_url, max_tokens=2, stream_options=None).status_code == 200  # null: not sent
 
 
 def test_embeddings_refuse_generation_fields(server) -> None:  # type: ignore[no-untyped-def]

@@ -37,6 +37,7 @@ CONDITIONS: dict[str, dict[str, Any]] = {
     "return_tokens_as_token_ids": {**SCORING, "allowed_token_ids": [1]},
     "top_logprobs": {**SCORING, "logprobs": True},
     "scoring_precision": {**SCORING, "logprobs": 1},
+    "stream_options": {"stream": True},
 }
 STRUCTURAL = {"model", "messages", "prompt", "input"}
 # Honoured fields whose sample names something that does not exist: the lookup proves the
