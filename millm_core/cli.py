@@ -38,7 +38,7 @@ _HELP = {
     "log_level": "debug | info | warning | error",
     "max_queue": "requests allowed to wait; more are refused with 503 queue_full (default 64)",
     "max_body_bytes": "largest request body accepted; larger is 413 (default 4 MiB)",
-    "default_max_tokens": "completion budget when a request sends no max_tokens (default 1024)",
+    "default_max_tokens": "completion budget when a request sends no max_tokens (default 1024; 0: up to the context window)",
     "max_rows_per_request": "rows (prompts × n) one request may run at once; more is 400 (default 64)",
     "api_key": "comma-separated bearer keys required on every route but /api/health and /api/health/ready (prefer the env var)",
     "allowed_hosts": "comma-separated Host header values accepted (default: any)",

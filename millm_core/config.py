@@ -30,9 +30,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     plugins: tuple[str, ...] | None = None
     block_plugins: tuple[str, ...] = ()
     log_format: Literal["console", "json"] = "console"
-    log_level: str = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
     max_queue: int = 64
     max_body_bytes: int = 4 * 1024 * 1024
+    # Completion budget of a request that sends no max_tokens (0: up to the context window).
     default_max_tokens: int = 1024
     # Rows (prompts × n) one request may generate or score at once.
     max_rows_per_request: int = 64
@@ -186,6 +187,8 @@ def load_settings(
         raise ConfigError(f"invalid setting: {exc}") from exc
     if settings.max_model_len is not None and settings.max_model_len < 1:
         raise ConfigError("--max-model-len must be at least 1")
+    if settings.default_max_tokens < 0:
+        raise ConfigError("--default-max-tokens must be 0 (up to the context window) or more")
     if settings.max_queue < 1:
         raise ConfigError("--max-queue must be at least 1")
     if settings.max_rows_per_request < 1:

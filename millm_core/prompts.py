@@ -147,6 +147,8 @@ async def render_prompts(
 
 
 def token_budget(request: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], model: ServedModel, default: int) -> int:
+    """The request's completion budget: its ``max_tokens`` (refused past the context
+    window), else ``default`` within the window (``default`` 0: the whole window left)."""
     limit = model.info.context_length
     asked = request.max_tokens if _sent(request.max_tokens) else request.max_completion_tokens
     longest = max(len(p) for p in prompts)
@@ -165,4 +167,4 @@ def token_budget(request: ChatCompletionRequest | CompletionRequest, prompts: li
             f"{longest} tokens, leaving no room for a completion. Shorten the prompt.",
             param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
         )
-    return min(default, limit - longest)
+    return limit - longest if default == 0 else min(default, limit - longest)

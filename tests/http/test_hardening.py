@@ -402,3 +402,13 @@ def test_a_stream_whose_client_leaves_before_the_first_chunk_is_cancelled(make_s
         assert wait_until(lambda: _stats(srv.base_url)["cancelled_rows"] == 1)
         stats = _stats(srv.base_url)
         assert stats["active_rows"] == 0 and stats["generated_tokens"] < 200
+
+
+def test_default_max_tokens_zero_runs_to_the_context_window(make_server, short_context_model) -> None:  # type: ignore[no-untyped-def]
+    """``--default-max-tokens 0``: a request without max_tokens may fill the whole window."""
+    with make_server(models=[short_context_model], default_max_tokens=0) as srv:
+        resp = httpx.post(srv.base_url + "/v1/completions", json={"model": "tiny", "prompt": "the cat", "temperature": 0}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    usage, choice = resp.json()["usage"], resp.json()["choices"][0]
+    assert choice["finish_reason"] == "length", choice
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 64

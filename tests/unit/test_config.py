@@ -46,3 +46,10 @@ def test_plugin_settings_come_from_environment_and_flags() -> None:
         load_settings(environ={"MILLM_PROBE_WINDOW": "wide"}, plugin_settings=declared)
     with pytest.raises(ConfigError, match="shadows"):
         load_settings(environ={}, plugin_settings=[PluginSetting("port", 1)])
+
+
+@pytest.mark.parametrize(("env", "message"), [({"MILLM_LOG_LEVEL": "verbose"}, "log_level"), ({"MILLM_DEFAULT_MAX_TOKENS": "-1"}, "default-max-tokens")])
+def test_log_level_and_default_budget_are_checked(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_settings(environ=env)
+    assert load_settings(environ={"MILLM_DEFAULT_MAX_TOKENS": "0", "MILLM_LOG_LEVEL": "warning"}).default_max_tokens == 0
