@@ -35,7 +35,7 @@ _HELP = {
     "plugins": "comma-separated allow-list of feature plugins (default: all installed)",
     "block_plugins": "comma-separated plugins never to load",
     "log_format": "console | json",
-    "log_level": "debug | info | warning | error",
+    "log_level": "debug | info | warning | error | critical",
     "max_queue": "requests allowed to wait; more are refused with 503 queue_full (default 64)",
     "max_body_bytes": "largest request body accepted; larger is 413 (default 4 MiB)",
     "default_max_tokens": "completion budget when a request sends no max_tokens (default 1024; 0: up to the context window)",

@@ -30,7 +30,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     plugins: tuple[str, ...] | None = None
     block_plugins: tuple[str, ...] = ()
     log_format: Literal["console", "json"] = "console"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     max_queue: int = 64
     max_body_bytes: int = 4 * 1024 * 1024
     # Completion budget of a request that sends no max_tokens (0: up to the context window).
