@@ -146,7 +146,6 @@ class JsonSchema(msgspec.Struct, tag_field="type", tag="json_schema", kw_only=Tr
 
 
 TextFormat = PlainText | JsonObject | JsonSchema
-FORMAT_TYPES: dict[str, type[msgspec.Struct]] = {"text": PlainText, "json_object": JsonObject, "json_schema": JsonSchema}
 
 
 class TextConfig(msgspec.Struct, kw_only=True):

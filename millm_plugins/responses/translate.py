@@ -26,7 +26,6 @@ from .conversation import STORED, Conversation, add_items, renamer
 from .schema import (
     DECLARED,
     ENCRYPTED,
-    FORMAT_TYPES,
     ITEM_TYPES,
     PART_TYPES,
     FunctionChoice,
@@ -163,12 +162,9 @@ def _typed_items(raw: dict[str, Any]) -> list[str]:
 
 def _unused(raw: dict[str, Any], request: ResponsesRequest) -> list[str]:
     """The request's own fields (below the top level) that nothing reads."""
-    found = [loc for loc in unknown_fields(raw, ResponsesRequest) if "." in loc or "[" in loc]
-    text = raw.get("text")
-    if isinstance(text, dict) and isinstance(text.get("format"), dict):
-        kind = text["format"].get("type")
-        if isinstance(kind, str) and kind in FORMAT_TYPES:
-            found.extend(f"text.format.{loc}" for loc in unknown_fields(text["format"], FORMAT_TYPES[kind]))
+    # Input items are walked with their parts where they are read (a message may omit its
+    # type), so the walk over the body leaves them out.
+    found = [loc for loc in unknown_fields(raw, ResponsesRequest) if ("." in loc or "[" in loc) and not loc.startswith("input[")]
     reasoning = request.reasoning
     if reasoning is not None and reasoning is not msgspec.UNSET:
         found.extend(f"reasoning.{name}" for name in ("summary", "generate_summary") if isinstance(getattr(reasoning, name), str))

@@ -5,11 +5,9 @@ vocabulary cache."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import random
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -528,17 +526,18 @@ def test_the_engine_itself_gives_the_same_vocabulary(millm_tiny_model: Any, voca
 # ---------------------------------------------------------------- SmolLM2 (when converted)
 
 
-def _smollm2_dir() -> str | None:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    found = sorted(glob.glob(os.path.join(base, "millm", "models", "SmolLM2-135M-Instruct-*", "tokenizer.json")))
-    return os.path.dirname(found[-1]) if found else None
+def _smollm2_dir() -> str:
+    """The default model's converted checkpoint (converted from the installed package on
+    first use, offline, as ``make serve`` does)."""
+    from millm_core.config import cache_root, load_settings
+    from millm_plugins.smollm2.convert import converted_dir
+
+    return converted_dir(cache_root(load_settings(environ={})))[0]
 
 
 @pytest.mark.e2e
 def test_smollm2_walks_validate(tmp_path: Path) -> None:
     directory = _smollm2_dir()
-    if directory is None:
-        pytest.skip("the SmolLM2 checkpoint has not been converted on this machine")
     from transformers import AutoTokenizer
 
     with open(os.path.join(directory, "config.json")) as fh:
@@ -559,10 +558,8 @@ def test_smollm2_walks_validate(tmp_path: Path) -> None:
     }
     ended = 0
     for seed in range(6):
-        started = time.perf_counter()
         ids, done, constraint = walk(vocab, engine.eos_token_ids, schema, random.Random(seed))
         assert not constraint.failed, constraint.reason
-        assert (time.perf_counter() - started) / max(1, len(ids)) < 0.05  # a loose bound: ~1-3 ms a step measured
         if done:
             ended += 1
             assert validate(engine.decode(ids), schema) is None
