@@ -128,6 +128,8 @@ def _budget(ctx: RequestContext, request: Any, max_tokens: int) -> tuple[int | N
     server's, and the most tokens its rows may draw before the close is forced: both
     leave the answer reserve (at most half of max_tokens)."""
     if EFFORT.get(request) == "max":
+        if BUDGET.get(request) is not None:
+            ctx.ignored_fields.append("thinking_budget")  # "max" thinks without a budget
         return None, None
     asked = BUDGET.get(request)
     budget = asked if asked is not None else int(THINKING_BUDGET.get(ctx.settings))
