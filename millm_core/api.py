@@ -21,7 +21,7 @@ The groups, in the order a plugin meets them:
   ``SamplingParams``, ``ServedModel``, ``ModelRegistry``, ``SwitchTarget``;
 - OpenAI's request and response contracts;
 - errors (each carries its HTTP status and code; raise them, never build a response);
-- the app ``millm serve`` serves, for another ASGI host (``serving_app``);
+- the app ``millm serve`` serves, for another ASGI host (``serving_app``, ``serving_settings``, ``startup_load``);
 - serving a model request from a plugin: ``dispatch`` and its ``Dispatched`` reply
   (``declares`` says whether an endpoint takes a field on this server; ``CLIENT_CLOSED``,
   499, is the status of a request whose client left);
@@ -125,9 +125,10 @@ from .registry import ModelRegistry, ServedModel, SwitchTarget
 from .requestfields import RequestField, request_types_with
 from .rng import uniform
 from .server.dispatch import CLIENT_CLOSED, Dispatched, declares, dispatch
+from .server.middleware import request_id
 from .server.routes.common import model_endpoint, until_disconnect
 from .server.web import app_context, event_stream, json_response, read_json
-from .serving import serving_app
+from .serving import serving_app, serving_settings, startup_load
 from .steering import AppliedSet
 from .store import Store
 from .unknown import unknown_fields
@@ -231,6 +232,7 @@ __all__ = [
     "dispatch",
     "encode",
     "event_stream",
+    "request_id",
     "generic_chat_text",
     "has_tool_history",
     "host_available_bytes",
@@ -249,6 +251,8 @@ __all__ = [
     "render_with_continuation",
     "request_types_with",
     "serving_app",
+    "serving_settings",
+    "startup_load",
     "split_continuation",
     "uniform",
     "unknown_fields",

@@ -4,14 +4,36 @@ replicas) build it the same way."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Mapping, Sequence
 
 from starlette.applications import Starlette
 
-from .config import Settings
+from .config import Settings, load_settings
 from .loading import load, locate
+from .plugins import PluginHost
 from .registry import ServedModel
 from .server.app import build_host, create_app
+from .server.state import AppState
+
+LOAD_POLL_S = 0.05
+
+
+def serving_settings(overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Settings as ``millm serve`` builds them: ``MILLM_*`` environment variables (or
+    ``environ``), then ``overrides`` (flag names with underscores), with the settings of
+    every installed plugin declared. Raises ``ConfigError`` for a bad value."""
+    return load_settings(overrides, environ=environ, plugin_settings=PluginHost.declared_settings())
+
+
+async def startup_load(app: Starlette) -> str | None:
+    """Once ``app`` (a :func:`serving_app`) has started its lifespan: wait until the model
+    it loads at start-up is loaded; None then, or what failed the load. An ASGI host may
+    hold its own readiness on this, as the Ray Serve replicas do."""
+    state: AppState = app.state.millm
+    while state.loading:
+        await asyncio.sleep(LOAD_POLL_S)
+    return state.load_error
 
 
 def serving_app(settings: Settings, *, plugins: Sequence[tuple[object, str]] = ()) -> Starlette:

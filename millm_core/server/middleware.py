@@ -6,10 +6,17 @@ import re
 import uuid
 
 import structlog
+from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUEST_ID_HEADER = b"x-request-id"
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def request_id(request: HTTPConnection) -> str:
+    """The id of this HTTP request: the client's ``X-Request-Id`` when it was valid, else
+    one minted; echoed on the response and bound to every log line of the request."""
+    return str(request.scope.get("state", {}).get("request_id") or mint_request_id())
 
 
 def mint_request_id() -> str:

@@ -29,6 +29,7 @@ from millm_core.api import (
     app_context,
     json_response,
     read_json,
+    request_id,
     until_disconnect,
 )
 
@@ -225,10 +226,10 @@ async def _score(request: Request, body: ScoreRequest) -> Response:
     for layer in layers:  # one layer at a time, scored on the model thread
         findings.update(await app.run_model(lambda layer=layer: _findings_at(engine, layer, runs, inputs, chats)))  # type: ignore[misc]
     trace = trace_of({"traceparent": request.headers.getlist("traceparent")})
-    request_id = str(getattr(request.state, "request_id", "") or "")
+    rid = request_id(request)
     results: list[ProbeResult] = []
     for index in range(len(inputs)):
-        served = Served(request_id=request_id, endpoint="probes.score", model=model.info.served_name, engine=model.info.engine,
+        served = Served(request_id=rid, endpoint="probes.score", model=model.info.served_name, engine=model.info.engine,
                         input=index, read_point="unsteered", steered_at_layer=False)  # fmt: skip
         found: list[ProbeResult] = []
         for number, (probe, skip, _) in enumerate(runs):

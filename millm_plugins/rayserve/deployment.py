@@ -6,12 +6,12 @@ restarting a replica that dies.
 
     import ray
     from ray import serve
-    from millm_core.config import load_settings
+    from millm_core.api import serving_settings
     from millm_plugins.rayserve.deployment import build_app
 
     ray.init()
     serve.start(http_options={"host": "0.0.0.0", "port": 8000})
-    serve.run(build_app(load_settings({"model": "/models/x", "db": "/data/millm.db"}), num_replicas=2), route_prefix="/")
+    serve.run(build_app(serving_settings({"model": "/models/x", "db": "/data/millm.db"}), num_replicas=2), route_prefix="/")
 """
 
 from __future__ import annotations

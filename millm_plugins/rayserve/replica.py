@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from millm_core.api import AppContext, StashKey, hookimpl
+from millm_core.api import AppContext, StashKey, hookimpl, startup_load
 
 log = structlog.get_logger("millm.ray")
 
@@ -28,7 +28,6 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Message, Receive, Send], Awaitable[None]]
 
 REPLICA_HEADER = b"x-millm-replica"
-LOAD_POLL_S = 0.05
 ADOPT_S = 1.0
 """How often each replica looks for batches accepted by another replica (and, on a replica
 without the data directory's lock, whether the lock is free to take over)."""
@@ -68,11 +67,9 @@ class ReplicaApp:
     def _lifespan_send(self, send: Send) -> Send:
         async def loaded_first(message: Message) -> None:
             if message["type"] == "lifespan.startup.complete":
-                state = self.app.state.millm
-                while state.loading:
-                    await asyncio.sleep(LOAD_POLL_S)
-                if state.load_error:
-                    message = {"type": "lifespan.startup.failed", "message": f"the model did not load: {state.load_error}"}
+                failed = await startup_load(self.app)
+                if failed:
+                    message = {"type": "lifespan.startup.failed", "message": f"the model did not load: {failed}"}
             await send(message)
 
         return loaded_first

@@ -45,6 +45,7 @@ def test_scores_equal_the_offline_ones_unsteered(scorer: Any, fitted: Fitted, ti
     assert got[1, "all"]["score"] == pytest.approx(fitted.score(code), abs=1e-6) and got[1, "all"]["verdict"] == "clear"
     assert (got[1, "last_user"]["outcome"], got[1, "last_user"]["reason"]) == ("skipped", "not_a_chat")
     assert {r["served"]["read_point"] for r in resp.json()["data"]} == {"unsteered"}
+    assert {r["served"]["request_id"] for r in resp.json()["data"]} == {resp.headers["x-request-id"]}
     # The same chat generated here is steered (below the probe's layer) and reads otherwise.
     resp = chat(scorer, user(HELD_SEA[0]))
     assert resp.headers["x-millm-steering"].startswith("manual")

@@ -21,7 +21,7 @@ from ...fields import known_refusals
 from ...pipeline_types import Compute, Generate
 from ...prompts import render_prompts
 from ...unknown import unknown_fields
-from ..middleware import mint_request_id
+from ..middleware import request_id as request_id_of
 from ..pipeline import Admission, admit, prepare_generation, refuse_unused_if_strict
 from ..respond import complete, reply, stream
 from ..state import AppState, app_state
@@ -106,7 +106,7 @@ async def decode_request(request: Request, endpoint: Endpoint) -> Admission:
         state,
         endpoint,
         raw,
-        request_id=request.scope.get("state", {}).get("request_id") or mint_request_id(),
+        request_id=request_id_of(request),
         headers=joined_headers(request.headers.items()),
         access_log=request.scope.setdefault("state", {}),
     )

@@ -1,0 +1,50 @@
+"""The public helpers for hosting millm's app elsewhere (the Ray Serve replicas use
+them): ``serving_settings`` builds settings as ``millm serve`` does, ``startup_load``
+says when the model the app loads at start-up is loaded, or why it is not."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from pathlib import Path
+
+import httpx
+import pytest
+
+from millm_core.api import ConfigError, serving_app, serving_settings, startup_load
+
+
+def test_serving_settings_read_the_environment_then_overrides_with_plugin_settings() -> None:
+    settings = serving_settings({"port": 9100}, environ={"MILLM_PORT": "9000", "MILLM_EMBEDDINGS_MAX_INPUTS": "7"})
+    assert settings.port == 9100
+    assert settings.plugin_values["embeddings_max_inputs"] == 7  # a plugin's setting, declared
+    with pytest.raises(ConfigError):
+        serving_settings(environ={"MILLM_LOG_LEVEL": "loud"})
+
+
+async def _start(app: object) -> tuple[str | None, int]:
+    """Run the app's lifespan, wait for its start-up load, then ask it for a completion
+    over ASGI: (what failed the load, the completion's status)."""
+    async with app.router.lifespan_context(app):  # type: ignore[attr-defined]
+        failed = await startup_load(app)  # type: ignore[arg-type]
+        transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=60) as client:
+            resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "the cat", "max_tokens": 2})
+    return failed, resp.status_code
+
+
+def test_startup_load_waits_for_the_model(tiny_dir: str) -> None:
+    app = serving_app(serving_settings({"model": tiny_dir, "served_name": "tiny", "db": ":memory:"}, environ={}))
+    assert asyncio.run(_start(app)) == (None, 200)
+
+
+def test_startup_load_says_why_the_model_did_not_load(tmp_path: Path, tiny_dir: str) -> None:
+    garbled = tmp_path / "garbled"
+    garbled.mkdir()
+    (garbled / "config.json").write_text(Path(tiny_dir, "config.json").read_text())
+    header = json.dumps(["not", "a", "header"]).encode()
+    (garbled / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    app = serving_app(serving_settings({"model": str(garbled), "served_name": "tiny", "db": ":memory:"}, environ={}))
+    failed, status = asyncio.run(_start(app))
+    assert failed is not None and "header" in failed and status == 503
