@@ -51,3 +51,18 @@ def test_public_api_exports_exist_and_are_documented() -> None:
         obj = getattr(api, name)  # every listed name is importable
         if isinstance(obj, type) and obj.__module__.startswith("millm_core") and not name.isupper():
             assert obj.__doc__, f"{name} has no docstring"
+
+
+def test_plugins_and_engines_read_no_server_state() -> None:
+    """The core's app state (``app.state.millm``) and the request scope's state are the
+    server's internals: a plugin reaches them through ``app_context``, ``request_id`` and
+    the other public helpers."""
+    files = sorted([*ROOT.glob("millm_plugins/**/*.py"), *ROOT.glob("millm_engines/**/*.py"), *ROOT.glob("examples/**/*.py")])
+    offending = [
+        f"{p.relative_to(ROOT)}:{number}"
+        for p in files
+        if not p.name.startswith("test_")
+        for number, line in enumerate(p.read_text().splitlines(), 1)
+        if ".state.millm" in line or "request.state" in line or 'scope["state"]' in line
+    ]
+    assert offending == []
