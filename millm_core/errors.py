@@ -163,8 +163,10 @@ class DatabaseBusy(ServiceUnavailable):
 
 class OutOfMemory(ServiceUnavailable):
     """503: the device ran out of memory for this request; retrying later, or with a
-    smaller request, may succeed."""
+    smaller request, may succeed. Typed ``invalid_request_error``, as the API contract
+    says: the request (its prompt, rows and cache) is what did not fit."""
 
+    type = "invalid_request_error"
     code = "insufficient_memory"
 
 

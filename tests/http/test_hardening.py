@@ -274,7 +274,7 @@ def test_a_request_that_cannot_fit_in_memory_is_503_before_it_runs(make_server, 
             refused = _chat(srv.base_url, n=8, max_tokens=120)
             assert refused.status_code == 503, refused.text
             error = refused.json()["error"]
-            assert error["code"] == "insufficient_memory" and "cpu" in error["message"]
+            assert (error["code"], error["type"]) == ("insufficient_memory", "invalid_request_error") and "cpu" in error["message"]
             assert int(refused.headers["retry-after"]) >= 1
             assert _stats(srv.base_url)["steps"] == 0  # refused before anything ran
             assert _chat(srv.base_url, max_tokens=4).status_code == 200
