@@ -69,10 +69,11 @@ class Candidate:
     path: str | None = None
 
 
-def _root_candidates(root: str) -> Iterator[tuple[str, str]]:
-    """``(id, path)`` for each checkpoint directory (it has a ``config.json``) and GGUF
-    file in ``root``, and one level below it (``org/model`` layouts). Ids are the paths
-    relative to the root."""
+def _root_candidates(root: str, loadable: Callable[[str], bool]) -> Iterator[tuple[str, str]]:
+    """``(id, path)`` for each entry of ``root`` that some engine can load (``loadable``:
+    a checkpoint directory, a GGUF file, whatever the installed engines take), and for
+    each such entry one level below a folder that is not one itself (``org/model``
+    layouts). Ids are the paths relative to the root."""
     root = os.path.expanduser(root)
     try:
         names = sorted(os.listdir(root))
@@ -80,17 +81,13 @@ def _root_candidates(root: str) -> Iterator[tuple[str, str]]:
         return
     for name in names:
         path = os.path.join(root, name)
-        if name.endswith(".gguf") and os.path.isfile(path):
+        if loadable(path):
             yield name, path
         elif os.path.isdir(path):
-            if os.path.isfile(os.path.join(path, "config.json")):
-                yield name, path
-                continue
             with contextlib.suppress(OSError):
                 for inner in sorted(os.listdir(path)):
-                    nested = os.path.join(path, inner)
-                    if (inner.endswith(".gguf") and os.path.isfile(nested)) or os.path.isfile(os.path.join(nested, "config.json")):
-                        yield f"{name}/{inner}", nested
+                    if loadable(os.path.join(path, inner)):
+                        yield f"{name}/{inner}", os.path.join(path, inner)
 
 
 def remembered_candidate(name: str, location: ModelLocation) -> Candidate:
@@ -105,8 +102,14 @@ def candidates(settings: Settings, host: PluginHost, remembered: Mapping[str, Mo
     the models it served before under their names (``remembered``). Never downloads
     anything and never converts: nothing is located until it is loaded."""
     found: dict[str, Candidate] = {}
+    engines = host.engines() if settings.model_roots else []
+
+    def loadable(path: str) -> bool:
+        location = ModelLocation(path=path, served_name=os.path.basename(path))
+        return any(engine.can_load(location) for engine in engines)
+
     for root in settings.model_roots:
-        for model_id, path in _root_candidates(root):
+        for model_id, path in _root_candidates(root, loadable):
             location = ModelLocation(path=os.path.abspath(path), served_name=model_id)
 
             def locate(location: ModelLocation = location) -> ModelLocation:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -175,3 +176,19 @@ def test_seeded_sampling_follows_the_counts(served: ServedModel, model_path: str
     total = sum(counts.values())
     for token, count in counts.items():
         assert math.isclose(seen[token] / 400, count / total, abs_tol=0.08), (chr(token), seen, counts)
+
+
+def test_model_roots_list_the_files_a_third_party_engine_loads(installed_engine: str, model_path: str, tmp_path: pathlib.Path) -> None:
+    """``--model-roots`` lists what some installed engine's ``can_load`` takes: the
+    example engine's ``.bigram.json`` files, at the top and one level down; other files
+    are not models."""
+    from millm_core.lifecycle import candidates
+
+    (tmp_path / "org").mkdir()
+    shutil.copy(model_path, tmp_path / "top.bigram.json")
+    shutil.copy(model_path, tmp_path / "org" / "nested.bigram.json")
+    (tmp_path / "notes.txt").write_text("not a model")
+    settings = load_settings({"model_roots": (str(tmp_path),)}, environ={})
+    found = candidates(settings, build_host(settings))
+    listed = {c.id for c in found.values() if c.source == "directory"}
+    assert listed == {"top.bigram.json", "org/nested.bigram.json"}

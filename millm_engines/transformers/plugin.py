@@ -32,9 +32,9 @@ CAPABILITIES = frozenset(
 
 
 def _can_load(location: ModelLocation) -> bool:
-    from .loader import is_checkpoint_dir
-
-    return is_checkpoint_dir(location)
+    """A Hugging Face checkpoint directory (it holds a ``config.json``); a cheap file test,
+    so listing loadable models imports neither torch nor transformers."""
+    return os.path.isdir(location.path) and os.path.isfile(os.path.join(location.path, "config.json"))
 
 
 def _load(location: ModelLocation, settings: Settings) -> object:

@@ -101,13 +101,14 @@ def _model_id(request: Request) -> str:
     return str(request.path_params["model_id"])
 
 
-def _weights_mib(path: str) -> float:
-    """What the model's files take on disk, in MiB (the figure an out-of-memory load reports)."""
+def _files_mib(path: str) -> float:
+    """What the model's files take on disk, in MiB (the figure an out-of-memory load
+    reports; its weights are nearly all of it, whatever format an engine reads)."""
     if os.path.isfile(path):
         return os.path.getsize(path) / 2**20
     total = 0
     for folder, _dirs, files in os.walk(path):
-        total += sum(os.path.getsize(os.path.join(folder, f)) for f in files if f.endswith((".safetensors", ".bin", ".gguf", ".pt")))
+        total += sum(os.path.getsize(os.path.join(folder, f)) for f in files)
     return total / 2**20
 
 
@@ -190,13 +191,13 @@ def _load_on_model_thread(state: AppState, candidate: Candidate, location: Model
         raise  # an engine's own typed refusal (unsupported_quantization, insufficient_memory, …)
     except MemoryError as exc:
         raise OutOfMemory(
-            f"'{candidate.id}' does not fit in memory: its weights take {_weights_mib(location.path):.0f} MiB on disk"
+            f"'{candidate.id}' does not fit in memory: its files take {_files_mib(location.path):.0f} MiB on disk"
         ) from exc
     except Exception as exc:
         # torch's OutOfMemoryError is no MemoryError; the core never imports torch, so the class is told by name.
         if type(exc).__name__ == "OutOfMemoryError":
             raise OutOfMemory(
-                f"'{candidate.id}' does not fit in the device's memory: its weights take {_weights_mib(location.path):.0f} MiB on disk"
+                f"'{candidate.id}' does not fit in the device's memory: its files take {_files_mib(location.path):.0f} MiB on disk"
             ) from exc
         raise ModelLoadFailed(
             f"loading '{candidate.id}' with the {factory.name} engine failed ({type(exc).__name__}); the server log has the details"
