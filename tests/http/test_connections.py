@@ -162,7 +162,7 @@ def test_connections_past_the_cap_are_held_at_accept_while_open_ones_are_served(
                     started = time.monotonic()
                     keeper.sendall(get(close=False))
                     assert read_response(keeper, 5)[0] == 200
-                    assert time.monotonic() - started < 1.0
+                    assert time.monotonic() - started < HEADER_TIMEOUT_S / 2  # served now, not at the header timeout
                     # The tricklers are dropped at the header timeout; the held connections
                     # are then accepted in turn (never more than the cap) and answered.
                     peak = 0
@@ -206,7 +206,7 @@ def test_a_slot_frees_as_soon_as_its_client_closes(make_server) -> None:  # type
                 time.sleep(0.2)  # the ten give up while held
         started = time.monotonic()
         assert httpx.get(srv.base_url + "/api/health", timeout=HEADER_TIMEOUT_S + 5).status_code == 200
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < HEADER_TIMEOUT_S / 2  # served now, not at the header timeout
 
 
 def test_an_unfinished_head_past_the_limit_is_refused(make_server) -> None:  # type: ignore[no-untyped-def]
@@ -216,7 +216,7 @@ def test_an_unfinished_head_past_the_limit_is_refused(make_server) -> None:  # t
         sock.sendall(b"GET /api/health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * (MAX_HEADER_BYTES + 1024))
         started = time.monotonic()
         assert read_response(sock, 5)[0] == 431
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < HEADER_TIMEOUT_S / 2  # served now, not at the header timeout
         sock.settimeout(5)
         assert sock.recv(1024) == b""
 

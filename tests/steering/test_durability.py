@@ -180,7 +180,9 @@ def test_a_write_lock_held_elsewhere_is_a_fast_503_and_changes_nothing(make_serv
                 assert resp.status_code == 503, resp.text
                 assert (resp.json()["error"]["code"], resp.json()["error"]["type"]) == ("database_busy", "server_error")
                 assert int(resp.headers["retry-after"]) >= 1
-                assert elapsed < 1.0, f"{method} {path} took {elapsed:.2f} s"
+                # Refused after the store's short wait, not held until the other writer lets
+                # go (never, here): a bound far from both, so a busy machine cannot fail it.
+                assert elapsed < 5.0, f"{method} {path} took {elapsed:.2f} s"
             # The event loop keeps answering while writes wait for the lock: were each wait
             # spent on the loop, health checks could only slip in between the writes, one per
             # write. Counted, not timed, so a busy machine cannot fail it.
