@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .packed import Linear, pack
+from .packed import Linear, Product, pack, plain_product
 from .preflight import lean_refusal
 from .taps import Captured, LayerReads, capture
 
@@ -285,6 +285,12 @@ class LlamaDecoder:
         packed, self.packing_refusal = pack(weights) if packing is None else (None, packing)
         self.packed_bytes = packed.nbytes if packed is not None else 0
         self._linear: Linear = packed.linear if packed is not None else F.linear
+        product = packed.product if packed is not None else plain_product
+        # Each layer's products (q/k/v, output, gate/up, down) and the head's, resolved once.
+        self._products: list[tuple[Product, Product, Product, Product]] = [
+            (product(layer.w_qkv), product(layer.w_o), product(layer.w_gate_up), product(layer.w_down)) for layer in self.layers
+        ]
+        self._head = product(self.lm_head)
         self.grouping_refusal = grouping_refusal(self.embed.dtype, self.embed.device, self.n_heads, self.n_kv, self.head_dim, self.scaling)
 
     @torch.inference_mode()
@@ -308,27 +314,28 @@ class LlamaDecoder:
         attends over exactly its own columns, with no mask (the row computes as alone;
         consecutive rows with one start share a call where that is exact)."""
         rows = tokens.shape[0]
-        linear = self._linear
-        hidden = F.embedding(tokens, self.embed)[:, None, :]
-        cos, sin = self.rotary(hidden, positions[:, None])
+        # The residual stream is 2-D ([rows, d_model]) throughout: the products take it as
+        # it is, and q, k and v are views of the fused projection (no reshapes per call).
+        hidden = F.embedding(tokens, self.embed)
+        cos, sin = self.rotary(hidden[:, None], positions[:, None])
         # HF's x * cos + rotate_half(x) * sin, in fewer operations and for q and k at once:
         # rotate_half(x) is x rolled by half a head with its first half negated, and
         # (-a) * b rounds exactly as a * (-b), so the sign moves onto sin (bit for bit).
-        half = self.head_dim // 2
+        n_heads, n_kv, head_dim, eps, inter = self.n_heads, self.n_kv, self.head_dim, self.eps, self.inter
+        half = head_dim // 2
         cos, sin = cos[:, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]
         cache.reserve(1)
         t = cache.length
         attn_mask = mask[:, None, None, : t + 1] if mask is not None else None
         groups = column_groups(starts, self.grouping_refusal is None) if starts is not None else []
         k_end = self.q_size + self.kv_size
-        gqa = self.n_kv != self.n_heads
-        for i, layer in enumerate(self.layers):
-            x = _rms(hidden, layer.w_in, self.eps)
-            qkv = linear(x, layer.w_qkv)
-            qk = qkv[..., :k_end].view(rows, 1, self.n_heads + self.n_kv, self.head_dim).transpose(1, 2)
+        gqa = n_kv != n_heads
+        for i, (layer, (qkv_of, out_of, gate_up_of, down_of)) in enumerate(zip(self.layers, self._products, strict=True)):
+            qkv = qkv_of(_rms(hidden, layer.w_in, eps))
+            qk = qkv[:, :k_end].view(rows, n_heads + n_kv, 1, head_dim)
             qk = qk * cos + qk.roll(half, -1) * sin
-            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
-            v = qkv[..., k_end:].view(rows, 1, self.n_kv, self.head_dim).transpose(1, 2)
+            q, k = qk[:, :n_heads], qk[:, n_heads:]
+            v = qkv[:, k_end:].view(rows, n_kv, 1, head_dim)
             keys, values = cache.keys[i], cache.values[i]
             keys[:, :, t : t + 1] = k
             values[:, :, t : t + 1] = v
@@ -342,14 +349,13 @@ class LlamaDecoder:
                     for a, b, s in groups
                 ]
                 attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-            hidden = hidden + linear(attn.transpose(1, 2).reshape(rows, 1, self.q_size), layer.w_o)
-            x = _rms(hidden, layer.w_post, self.eps)
-            gate_up = linear(x, layer.w_gate_up)
-            hidden = hidden + linear(F.silu(gate_up[..., : self.inter]) * gate_up[..., self.inter :], layer.w_down)
+            hidden = hidden + out_of(attn.reshape(rows, self.q_size))
+            gate_up = gate_up_of(_rms(hidden, layer.w_post, eps))
+            hidden = hidden + down_of(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
             if reads is not None and i in reads:
                 assert captured is not None
-                hidden = capture(i, reads, hidden, deltas.get(i) if deltas else None, captured)
+                hidden = capture(i, reads, hidden[:, None], deltas.get(i) if deltas else None, captured)[:, 0]
             elif deltas is not None and i in deltas:
-                hidden = hidden + deltas[i][:, None, :]
+                hidden = hidden + deltas[i]
         cache.length = t + 1
-        return linear(_rms(hidden[:, 0], self.norm, self.eps), self.lm_head)
+        return self._head(_rms(hidden, self.norm, eps))
