@@ -148,15 +148,14 @@ def _typed_items(raw: dict[str, Any]) -> list[str]:
         type_ = ITEM_TYPES.get(kind) if isinstance(kind, str) else None
         if type_ is None:
             raise _refuse(f"input items of type {kind!r} are not available; send message, function_call, function_call_output or reasoning items", f"input[{index}].type")
+        # The walk goes into the item's parts too (their types are a tagged union).
         unknown.extend(f"input[{index}].{loc}" for loc in unknown_fields(item, type_))
         parts = item.get("content") if kind == "message" else item.get("output") if kind == "function_call_output" else None
         for number, part in enumerate(parts if isinstance(parts, list) else []):
             where = f"input[{index}].{'content' if kind == 'message' else 'output'}[{number}]"
             part_kind = part.get("type") if isinstance(part, dict) else None
-            part_type = PART_TYPES.get(part_kind) if isinstance(part_kind, str) else None
-            if part_type is None:
+            if not isinstance(part_kind, str) or part_kind not in PART_TYPES:
                 raise _refuse(f"content parts of type {part_kind!r} are not available: millm serves text only", f"{where}.type")
-            unknown.extend(f"{where}.{loc}" for loc in unknown_fields(part, part_type))
     return unknown
 
 

@@ -177,6 +177,18 @@ def test_millm_extensions_pass_through_and_unknown_fields_are_reported(server) -
     assert strict.json()["error"]["param"] == "text.format.colour"
 
 
+def test_unknown_keys_inside_input_items_and_parts_are_reported_once(server) -> None:  # type: ignore[no-untyped-def]
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": QUESTION, "extra": 1}], "mood": "calm"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Paris.", "zz": 2}]},
+        {"role": "user", "content": QUESTION},
+    ]
+    resp = _post(server, input=items, max_output_tokens=2)
+    assert resp.status_code == 200, resp.text
+    # In body order: an item's parts before its later keys.
+    assert _ignored(resp.headers) == ["input[0].content[0].extra", "input[0].mood", "input[1].content[0].zz"]
+
+
 def test_every_response_and_event_fits_the_sdks_types(make_server) -> None:  # type: ignore[no-untyped-def]
     host = build_host(load_settings(environ={}))
     host.register(FaultPlugin(), "fault")
