@@ -181,6 +181,9 @@ def load_settings(
     for key, value in overrides.items():
         if value is not None and key not in plugin_values:
             values[key] = value
+    level = values.get("log_level")
+    if isinstance(level, str):  # INFO, Warning and warn mean what logging takes them for
+        values["log_level"] = {"warn": "warning"}.get(level.lower(), level.lower())
     try:
         settings = msgspec.convert(values, Settings)
     except msgspec.ValidationError as exc:

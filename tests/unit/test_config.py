@@ -53,3 +53,6 @@ def test_log_level_and_default_budget_are_checked(env: dict[str, str], message: 
     with pytest.raises(ConfigError, match=message):
         load_settings(environ=env)
     assert load_settings(environ={"MILLM_DEFAULT_MAX_TOKENS": "0", "MILLM_LOG_LEVEL": "warning"}).default_max_tokens == 0
+    for spelled, level in (("INFO", "info"), ("Warning", "warning"), ("warn", "warning"), ("CRITICAL", "critical")):
+        assert load_settings(environ={"MILLM_LOG_LEVEL": spelled}).log_level == level
+    assert load_settings({"log_level": "DEBUG"}, environ={}).log_level == "debug"
