@@ -15,7 +15,7 @@ from .errors import ModelNotFound
 from .fields import FieldRule
 from .hookspecs import hookimpl
 from .pipeline_types import Problem
-from .registry import ModelRegistry, ServedModel
+from .registry import ModelRegistry, ServedModel, SwitchTarget
 
 NAME = "core"
 
@@ -37,7 +37,20 @@ def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
 
 
 @hookimpl
+def millm_validate_switch(ctx: RequestContext, request: Any, target: SwitchTarget) -> Iterable[Problem]:
+    """The request's own shape is checked before a switch unloads the resident model."""
+    return _request_problems(ctx, request)
+
+
+@hookimpl
 def millm_validate(ctx: RequestContext, request: Any) -> Iterable[Problem]:
+    return _request_problems(ctx, request)
+
+
+def _request_problems(ctx: RequestContext, request: Any) -> list[Problem]:
+    """What the request asks that no model could serve: lengths that disagree, stream
+    options without a stream, several choices streamed or beside extra conversations,
+    more rows than the server runs per request."""
     problems: list[Problem] = []
     if ctx.endpoint == "embeddings":
         return problems

@@ -126,6 +126,7 @@ def test_a_refused_request_never_evicts_the_resident(srv: RunningServer, gate: G
     steer = {"steering": {"features": [{"index": 1, "strength": 2.0}]}}
     cases: list[tuple[str, dict[str, Any], dict[str, str], int, str, str | None]] = [
         ("tiny-b", {"temperature": 5}, {}, 400, "invalid_parameter", "temperature"),  # the body's own ranges
+        ("tiny-b", {"stream_options": {"include_usage": True}}, {}, 400, "invalid_parameter", "stream_options"),  # its own shape
         ("tiny-b", {"audio": {"voice": "x"}}, {}, 400, "field_not_honoured", "audio"),  # nothing enabled declares it
         ("tiny-b", {"colour": "blue"}, {"X-miLLM-Strict": "true"}, 400, "unused_fields_refused", None),
         ("tiny-b", steer, {}, 400, "sae_not_attached", "steering"),  # an SAE attaches to the resident only
