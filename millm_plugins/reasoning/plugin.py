@@ -170,7 +170,7 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
     plan.add_processor(reasoning, first=True)
     if not thinking:
         # Thinking off: a budget asks for nothing (the block is closed in the prompt).
-        ctx.ignored_fields.extend(f.name for f in (BUDGET, EFFORT) if f.get(request) not in (None, "none"))
+        ctx.ignored_fields.extend(f.name for f in (BUDGET, EFFORT) if f.get(request) not in (None, "none") and f.name not in ctx.ignored_fields)
         ctx.set_header(HEADER, "off")
         return
     parts = ["on"]

@@ -155,6 +155,8 @@ def test_the_budget_leaves_the_answer_reserve_and_max_effort_lifts_it(srv: Runni
     assert "thinking_budget_forced_at" not in unbounded.json()["choices"][0]
     assert "budget=" not in unbounded.headers["x-millm-reasoning"]
     assert unbounded.headers["x-millm-ignored-fields"] == '"thinking_budget"'  # "max" lifts it: unused, said so
+    off = chat(srv, chat_template_kwargs={"enable_thinking": False}, thinking_budget=5, reasoning_effort="max", max_tokens=4)
+    assert off.headers["x-millm-ignored-fields"] == '"thinking_budget", "reasoning_effort"'  # each named once
     assert "x-millm-ignored-fields" not in resp.headers
     none = chat(srv, chat_template_kwargs=OPEN, thinking_budget=0, max_tokens=20)
     assert "thinking_budget_forced_at" not in none.json()["choices"][0]
