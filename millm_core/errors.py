@@ -170,6 +170,13 @@ class OutOfMemory(ServiceUnavailable):
     code = "insufficient_memory"
 
 
+class ModelDoesNotFit(OutOfMemory):
+    """503: a model a request or a load names does not fit in the memory free (nothing was
+    unloaded); the model, not the request, is what did not fit."""
+
+    type = "server_error"
+
+
 class InternalError(MillmError):
     """500: an unexpected failure; its details are in the server's log."""
 

@@ -159,6 +159,7 @@ def test_a_refused_request_never_evicts_the_resident(srv: RunningServer, gate: G
     # An explicit load checks memory the same way (nothing is unloaded by a load).
     explicit = post(srv, "/api/models/huge/load")
     assert explicit.status_code == 503 and explicit.json()["error"]["code"] == "insufficient_memory"
+    assert explicit.json()["error"]["type"] == "server_error"  # the model did not fit, not the request
     assert _complete(srv, "tiny").status_code == 200
 
 

@@ -23,7 +23,7 @@ from starlette.responses import Response
 
 from ...codec import encode
 from ...engine import Engine, EngineFactory, LoadPlan, ModelLocation
-from ...errors import ConfigError, MillmError, ModelLoadFailed, ModelLocked, ModelNotFound, OutOfMemory
+from ...errors import ConfigError, MillmError, ModelDoesNotFit, ModelLoadFailed, ModelLocked, ModelNotFound
 from ...lifecycle import Candidate, ModelCatalog, ModelEntry, candidates, engine_for, marked, remembered_candidate
 from ...loading import choose_engine
 from ...openapi import RouteDoc
@@ -127,7 +127,7 @@ def check_memory(name: str, plan: LoadPlan, released: Mapping[str, int], residen
         back = released.get(device, 0)
         beside = f" and unloading {', '.join(repr(r) for r in residents)} gives back about {_mib(back)}" if back else ""
         figures.append(f"{_mib(plan.need[device])} needed on {device}, {_mib(plan.free.get(device, 0))} free{beside}")
-    raise OutOfMemory(f"'{name}' does not fit in memory: {'; '.join(figures)}; nothing was unloaded", param="model")
+    raise ModelDoesNotFit(f"'{name}' does not fit in memory: {'; '.join(figures)}; nothing was unloaded", param="model")
 
 
 def _released(state: AppState, residents: Sequence[ServedModel]) -> dict[str, int]:
@@ -190,13 +190,13 @@ def _load_on_model_thread(state: AppState, candidate: Candidate, location: Model
     except MillmError:
         raise  # an engine's own typed refusal (unsupported_quantization, insufficient_memory, …)
     except MemoryError as exc:
-        raise OutOfMemory(
+        raise ModelDoesNotFit(
             f"'{candidate.id}' does not fit in memory: its files take {_files_mib(location.path):.0f} MiB on disk"
         ) from exc
     except Exception as exc:
         # torch's OutOfMemoryError is no MemoryError; the core never imports torch, so the class is told by name.
         if type(exc).__name__ == "OutOfMemoryError":
-            raise OutOfMemory(
+            raise ModelDoesNotFit(
                 f"'{candidate.id}' does not fit in the device's memory: its files take {_files_mib(location.path):.0f} MiB on disk"
             ) from exc
         raise ModelLoadFailed(
