@@ -18,6 +18,7 @@ logged at load and can be turned off with ``--fast-decode false``.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -284,14 +285,30 @@ class LlamaDecoder:
         weights = [w for layer in self.layers for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down)] + [self.lm_head]
         packed, self.packing_refusal = pack(weights) if packing is None else (None, packing)
         self.packed_bytes = packed.nbytes if packed is not None else 0
+        self._packed = packed
         self._linear: Linear = packed.linear if packed is not None else F.linear
-        product = packed.product if packed is not None else plain_product
-        # Each layer's products (q/k/v, output, gate/up, down) and the head's, resolved once.
+        self._resolve_products()
+        self.grouping_refusal = grouping_refusal(self.embed.dtype, self.embed.device, self.n_heads, self.n_kv, self.head_dim, self.scaling)
+
+    def _resolve_products(self) -> None:
+        """Each layer's products (q/k/v, output, gate/up, down) and the head's, resolved once
+        for this decoder's own weight tensors."""
+        product = self._packed.product if self._packed is not None else plain_product
         self._products: list[tuple[Product, Product, Product, Product]] = [
             (product(layer.w_qkv), product(layer.w_o), product(layer.w_gate_up), product(layer.w_down)) for layer in self.layers
         ]
         self._head = product(self.lm_head)
-        self.grouping_refusal = grouping_refusal(self.embed.dtype, self.embed.device, self.n_heads, self.n_kv, self.head_dim, self.scaling)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LlamaDecoder:
+        # Functions are copied as themselves: the copy's products are resolved again, for its
+        # own (copied) weights, which have no blocked copies (F.linear).
+        twin = LlamaDecoder.__new__(LlamaDecoder)
+        memo[id(self)] = twin
+        for name, value in self.__dict__.items():
+            if name not in ("_products", "_head"):
+                setattr(twin, name, copy.deepcopy(value, memo))
+        twin._resolve_products()
+        return twin
 
     @torch.inference_mode()
     def step(

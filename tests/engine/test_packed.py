@@ -121,10 +121,16 @@ def test_oneDNN_errors_refuse_the_copies_instead_of_failing_the_load(monkeypatch
 
 def test_a_deep_copied_decoder_computes_with_its_own_weights(tiny_engine: Any, bf16: Any, decoders: tuple[LlamaDecoder, LlamaDecoder]) -> None:
     _plain, packed = decoders
-    twin = copy.deepcopy(packed)
     prompts = _prompts(tiny_engine, 1)
-    for got, want in zip(_steps(bf16, twin, prompts), _steps(bf16, packed, prompts), strict=True):
-        assert torch.equal(got, want)
+    before = _steps(bf16, packed, prompts)
+    twin = copy.deepcopy(packed)
+    for got, want in zip(_steps(bf16, twin, prompts), before, strict=True):
+        assert torch.equal(got, want)  # the same values: the same logits
+    with torch.no_grad():
+        twin.layers[0].w_down.mul_(0.5)  # the twin's own copy changes...
+    assert not torch.equal(_steps(bf16, twin, prompts)[0], before[0])  # ...and so do its logits
+    for got, want in zip(_steps(bf16, packed, prompts), before, strict=True):
+        assert torch.equal(got, want)  # the original is untouched
 
 
 def test_the_load_logs_and_plans_what_the_copies_take(tiny_dir: str) -> None:
