@@ -13,7 +13,7 @@ import importlib.metadata
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import pluggy
 import structlog
@@ -219,12 +219,16 @@ class PluginHost:
     # -------------------------------------------------------------- request hooks
 
     def validate(self, ctx: RequestContext, request: Any) -> list[Problem]:
-        results: Sequence[Iterable[Problem] | None] = self._pm.hook.millm_validate(ctx=ctx, request=request)
-        problems: list[Problem] = []
-        for batch in reversed(results):  # pluggy returns LIFO; report in registration order
-            if batch:
-                problems.extend(batch)
-        return problems
+        """Every plugin's problems, reported in the plugins' registration order (the first
+        decides the response's status and code). The implementations run in pluggy's order,
+        so a ``tryfirst`` one (scoring) has reported the fields it leaves unused before the
+        others look at them."""
+        order = {record.name: index for index, record in enumerate(self.records)}
+        found: list[tuple[int, list[Problem]]] = []
+        for impl in reversed(self._pm.hook.millm_validate.get_hookimpls()):  # pluggy's call order
+            batch = cast("Iterable[Problem] | None", impl.function(*[{"ctx": ctx, "request": request}[name] for name in impl.argnames]))
+            found.append((order.get(impl.plugin_name or "", len(order)), list(batch or ())))
+        return [problem for _, batch in sorted(found, key=lambda item: item[0]) for problem in batch]
 
     def resolve(self, ctx: RequestContext, request: Any, models: ModelRegistry) -> ServedModel | None:
         result: ServedModel | None = self._pm.hook.millm_resolve(ctx=ctx, request=request, models=models)

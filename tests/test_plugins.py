@@ -173,3 +173,43 @@ def test_a_plugin_may_require_and_an_engine_may_offer_a_capability_of_its_own(ma
             assert httpx.post(srv.base_url + "/v1/chat/completions", json=body).status_code == 200
     finally:
         del engine.capabilities  # back to the class's declaration
+
+
+class _Refuser:
+    """Refuses requests that carry ``x-refuse``, naming itself; records when it ran."""
+
+    def __init__(self, name: str, calls: list[str]) -> None:
+        self.name, self.calls = name, calls
+
+    def validate(self, ctx: Any, request: Any) -> list[Any]:
+        from millm_core.api import Problem
+
+        self.calls.append(self.name)
+        return [Problem(f"refused by {self.name}", code=f"refused_{self.name}")] if "x-refuse" in ctx.headers else []
+
+
+class _Plain(_Refuser):
+    @hookimpl
+    def millm_validate(self, ctx: Any, request: Any) -> list[Any]:
+        return self.validate(ctx, request)
+
+
+class _First(_Refuser):
+    @hookimpl(tryfirst=True)
+    def millm_validate(self, ctx: Any, request: Any) -> list[Any]:
+        return self.validate(ctx, request)
+
+
+def test_validation_problems_come_in_registration_order_whatever_runs_first(make_server: Any) -> None:
+    """A ``tryfirst`` validate runs before the others, but the problems are reported in
+    the plugins' registration order: the first registered plugin's decides the error."""
+    calls: list[str] = []
+    host = build_host(load_settings(environ={}))
+    host.register(_First("early", calls), "early")
+    host.register(_Plain("middle", calls), "middle")
+    host.register(_Plain("late", calls), "late")
+    with make_server(host=host) as srv:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
+        resp = httpx.post(srv.base_url + "/v1/completions", json=body, headers={"x-refuse": "1"}, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "refused_early", resp.text
+    assert calls[:3] == ["early", "late", "middle"]  # tryfirst, then pluggy's last-registered-first
