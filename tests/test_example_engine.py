@@ -192,3 +192,24 @@ def test_model_roots_list_the_files_a_third_party_engine_loads(installed_engine:
     found = candidates(settings, build_host(settings))
     listed = {c.id for c in found.values() if c.source == "directory"}
     assert listed == {"top.bigram.json", "org/nested.bigram.json"}
+
+
+def test_an_engine_whose_check_raises_hides_no_other_model(installed_engine: str, model_path: str, tmp_path: pathlib.Path) -> None:
+    """One engine's ``can_load`` raising (a file it cannot read, a bug) is logged; the
+    models the other engines take are still listed."""
+    from millm_core.api import EngineFactory, hookimpl
+    from millm_core.lifecycle import candidates
+
+    class Broken:
+        @hookimpl
+        def millm_register_engines(self, register: Any) -> None:
+            def can_load(location: Any) -> bool:
+                raise PermissionError(location.path)
+
+            register(EngineFactory(name="broken", capabilities=frozenset(), can_load=can_load, load=lambda *_: None, priority=1))
+
+    shutil.copy(model_path, tmp_path / "top.bigram.json")
+    settings = load_settings({"model_roots": (str(tmp_path),)}, environ={})
+    host = build_host(settings)
+    host.register(Broken(), "broken")
+    assert {c.id for c in candidates(settings, host).values() if c.source == "directory"} == {"top.bigram.json"}

@@ -6,10 +6,9 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from millm_core.api import RowsFailed
 import torch
 
+from millm_core.api import RowsFailed
 from millm_core.engine import RowSpec, SamplingParams
 from millm_engines.transformers.engine import _non_finite_rows
 

@@ -532,7 +532,7 @@ def _smollm2_dir() -> str:
     from millm_core.config import cache_root, load_settings
     from millm_plugins.smollm2.convert import converted_dir
 
-    return converted_dir(cache_root(load_settings(environ={})))[0]
+    return converted_dir(cache_root(load_settings()))[0]  # MILLM_CACHE_DIR as make serve reads it
 
 
 @pytest.mark.e2e
