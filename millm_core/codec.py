@@ -17,6 +17,10 @@ _raw_decoder = msgspec.json.Decoder()
 # error's ``param`` so clients see which field; the error *kind* is decided by the
 # exception class alone.
 _PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+# A bad key of a mapping: "... - at `key` in `$.path`" (the mapping's path).
+_KEY = re.compile(r" - at `key` in `\$\.?(?P<path>[^`]*)`$")
+# A field named in the message itself: the param is the field's own path.
+_FIELD = re.compile(r"^Object (?:contains unknown|missing required) field `(?P<field>[^`]*)`")
 
 
 def encode(obj: Any) -> bytes:
@@ -44,10 +48,13 @@ def convert(data: Any, type_: type[T]) -> T:
         return msgspec.convert(data, type_, strict=True)
     except msgspec.ValidationError as exc:
         text = str(exc)
-        match = _PATH.search(text)
+        match = _PATH.search(text) or _KEY.search(text)
         param = match.group("path") if match else None
         if match:
             text = text[: match.start()]
+        named = _FIELD.match(text)
+        if named:
+            param = f"{param}.{named.group('field')}" if param else named.group("field")
         raise InvalidRequest(f"{text}" + (f" (at '{param}')" if param else ""), param=param) from exc
 
 

@@ -81,8 +81,8 @@ def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
         (_set("members.0.layer", 5), 400, "invalid_parameter", "members[0].layer"),
         (_set("members.0.feature_idx", D_SAE), 400, "invalid_feature_index", "members[0].feature_idx"),
         (_set("members.1.feature_idx", 3), 400, "invalid_parameter", "members[1].feature_idx"),  # listed twice
-        (_set("members.0", {"layer": 0, "feature_idx": 3}), 400, "invalid_parameter", "members[0]"),
-        (_set("members.0", {"layer": 0, "feature_idx": 3, "strength": 1.0, "weight": 2}), 400, "invalid_parameter", "members[0]"),
+        (_set("members.0", {"layer": 0, "feature_idx": 3}), 400, "invalid_parameter", "members[0]"),  # neither strength nor cluster
+        (_set("members.0", {"layer": 0, "feature_idx": 3, "strength": 1.0, "weight": 2}), 400, "invalid_parameter", "members[0].weight"),
         (_set("members.0.strength", True), 400, "invalid_parameter", "members[0].strength"),
         (_set("members", []), 400, "invalid_parameter", "members"),
         (_set("edges.0.rung", 4), 400, "invalid_parameter", "edges[0].rung"),

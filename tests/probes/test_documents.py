@@ -88,15 +88,15 @@ def _broken(doc: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
         ("head.bias", float("inf"), None),  # JSON cannot carry it: refused as invalid JSON
         ("head.link", "softmax", "head.link"),
         ("aggregation", "median", "aggregation"),
-        ("decision.windows", {"everything": 0.3}, None),  # a bad key: the message names it
+        ("decision.windows", {"everything": 0.3}, "decision.windows"),  # a bad key: the mapping, and the message names the key
         ("evidence.rung", 4, "evidence.rung"),
         ("model.chat_template_sha256", "ABC", "model.chat_template_sha256"),
         ("basis", {"kind": "sae_features"}, "basis.sae_id"),
         ("basis", {"kind": "residual", "sae_id": "x"}, "basis.sae_id"),
         ("id", "events", "id"),
         ("id", "has space", "id"),
-        ("name", KeyError, None),  # msgspec names a missing or unknown field in the message only
-        ("surprise", 1, None),
+        ("name", KeyError, "name"),  # a missing field
+        ("surprise", 1, "surprise"),  # an unknown one
         ("test_vectors", [{"token_ids": [], "expected": 0.5}], "test_vectors[0].token_ids"),
         ("test_vectors", [{"token_ids": [-1], "expected": 0.5}], "test_vectors[0].token_ids[0]"),
         ("parity_tolerance", -1.0, "parity_tolerance"),

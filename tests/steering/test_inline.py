@@ -123,7 +123,7 @@ def test_text_completions_take_the_same_rules(steered_server) -> None:  # type: 
         ({"sae_id": "alpha", "features": []}, {}, 400, "invalid_parameter", "steering.sae_id"),
         ({"features": [{"index": 1, "strength": 1}]}, {"profile": "p"}, 400, "invalid_parameter", "steering"),
         ({"features": [{"index": 1, "strength": 1}]}, {"steering_intensity": 1.0}, 400, "invalid_parameter", "steering"),
-        ({"features": [{"index": 1, "strength": 1}], "layer": 3}, {}, 400, "invalid_parameter", "steering"),
+        ({"features": [{"index": 1, "strength": 1}], "layer": 3}, {}, 400, "invalid_parameter", "steering.layer"),  # an unknown key
     ],
 )
 def test_rules(steered_server, steering: dict[str, Any], extra: dict[str, Any], status: int, code: str, param: str) -> None:  # type: ignore[no-untyped-def]
