@@ -38,7 +38,7 @@ class ReturnSAEActivations(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
 
     sae_id: str | None = None
     layer: Annotated[int, Meta(ge=0)] | None = None  # beyond the spec: picks one of an SAE's several attachments
-    features: list[NonNegative] | None = None
+    features: Annotated[list[NonNegative], Meta(min_length=1)] | None = None  # [] would ask for nothing
     top_k: Annotated[int, Meta(ge=1)] = 8
     positions: Positions = "completion"
     read_point: Literal["post_steering", "pre_steering"] = "post_steering"

@@ -22,7 +22,7 @@ import msgspec
 
 from millm_core.api import InvalidRequest, NotFound
 from millm_plugins.steering.inline import InvalidFeatureIndex
-from millm_plugins.steering.profiles import Dial, Profile, check_dial
+from millm_plugins.steering.profiles import Dial, Profile, check_dial, check_layer
 
 from .ladder import LADDER
 from .settings import MAX_EDGES, MAX_LAYERS, MAX_MEMBERS, Limits
@@ -163,8 +163,7 @@ def compile_document(doc: CircuitDocument, widths: Widths, clusters: Mapping[str
     sae_at: dict[int, str] = {}
     width_at: dict[int, int] = {}
     for position, ref in enumerate(doc.saes):
-        if ref.layer < 0:
-            raise InvalidRequest("layer must be ≥ 0", param=f"saes[{position}].layer")
+        check_layer(ref.layer, f"saes[{position}].layer")
         if ref.layer in sae_at:
             raise InvalidRequest(f"layer {ref.layer} is listed twice: a circuit has one SAE per layer", param=f"saes[{position}].layer")
         width_at[ref.layer] = widths(ref.sae_id, f"saes[{position}].sae_id")

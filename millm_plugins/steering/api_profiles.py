@@ -21,7 +21,7 @@ from starlette.responses import Response
 from millm_core.api import InvalidRequest, MillmError, NotFound, RouteDoc, app_context, convert
 
 from .api import WRITE, LiveState, Route, body_of, dials_of, json_response, live_response, steering_state
-from .apply import profile_entry
+from .apply import Dials, profile_entry
 from .inline import Feature, SAENotAttached
 from .intensity import bounds
 from .live import Live
@@ -34,6 +34,7 @@ from .profiles import (
     added,
     check_dial,
     check_features,
+    check_layer,
     check_name,
     cluster_named,
     cluster_profile,
@@ -108,8 +109,7 @@ def _info(live: Live, profile: Profile) -> ProfileInfo:
 def _validate(state: SteeringState, profile: Profile) -> None:
     """Check a profile against its SAE (blocking: may read the SAE's files)."""
     check_name(profile.name)
-    if profile.layer < 0:
-        raise InvalidRequest("layer must be ≥ 0", param="layer")
+    check_layer(profile.layer)
     try:
         sae = state.get(profile.sae_id)
     except NotFound as exc:
@@ -225,13 +225,25 @@ async def export_one(request: Request) -> Response:
     return json_response(ProfileExport(profiles=[named(live.profiles, request.path_params["name"])]))
 
 
-def _check_import(state: SteeringState, document: ProfileExport) -> None:
+def _check_dial_bounds(dial: Dial, dials: Dials, param: str) -> None:
+    """A stored dial within the bounds ``PUT …/intensity`` would take: [0, max], max the
+    declared range's top or, without one, the server's ceiling."""
+    _, high = bounds(dial.intensity_range, dials.floor, dials.ceiling)
+    if not 0.0 <= dial.intensity <= high:
+        raise InvalidRequest(
+            f"intensity {dial.intensity} is outside [0, {high}], this cluster's dial bounds (its intensity_range, else the server's maximum)",
+            param=f"{param}.intensity",
+        )
+
+
+def _check_import(state: SteeringState, document: ProfileExport, dials: Dials) -> None:
     """Check every profile (blocking: may read SAE files)."""
     for position, profile in enumerate(document.profiles):
         try:
             _validate(state, profile)
             if profile.cluster is not None:
                 check_dial(profile.cluster, param="cluster")
+                _check_dial_bounds(profile.cluster, dials, "cluster")
         except MillmError as exc:
             exc.param = f"profiles[{position}].{exc.param}" if exc.param else f"profiles[{position}]"
             raise
@@ -248,7 +260,7 @@ async def import_profiles(request: Request) -> Response:
     if body.format != EXPORT_FORMAT:
         raise InvalidRequest(f"format {body.format!r} is not {EXPORT_FORMAT}", param="format")
     state, overwrite = steering_state(request), _replace(request)
-    await asyncio.to_thread(_check_import, state, body)
+    await asyncio.to_thread(_check_import, state, body, dials_of(app_context(request)))
     await state.commit(lambda live: replace(live, profiles=added(live.profiles, body.profiles, replace=overwrite)))
     return json_response(Imported(imported=[p.name for p in body.profiles]), status=201)
 
@@ -276,6 +288,8 @@ async def import_cluster(request: Request) -> Response:
         raise InvalidRequest(f"several SAEs of width {doc.sae.n_features} are attached at layer {doc.sae.layer}: {candidates}", param="sae")
     check_name(doc.name)
     profile = cluster_profile(doc, candidates[0])
+    assert profile.cluster is not None
+    _check_dial_bounds(profile.cluster, dials_of(app_context(request)), "budget")
     overwrite = _replace(request)
     live = await state.commit(lambda live: replace(live, profiles=added(live.profiles, [profile], replace=overwrite, param="name")))
     known = {"name", "sae", "members", "budget"}

@@ -68,7 +68,7 @@ class ProfileExport(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     profiles: list[Profile]
 
 
-class ClusterSAE(msgspec.Struct, kw_only=True):
+class ClusterSAE(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The SAE a cluster document needs: attached at ``layer``, of width ``n_features`` (the import binds the one attached
     SAE that matches)."""
 
@@ -76,7 +76,7 @@ class ClusterSAE(msgspec.Struct, kw_only=True):
     n_features: int
 
 
-class ClusterMember(msgspec.Struct, kw_only=True):
+class ClusterMember(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One member of a cluster document: a feature and its strength; ``sign`` (``1``, ``-1``, ``"+"``, ``"-"``,
     ``"positive"`` or ``"negative"``; default positive) multiplies the strength."""
 
@@ -85,7 +85,7 @@ class ClusterMember(msgspec.Struct, kw_only=True):
     sign: int | str | None = None
 
 
-class ClusterBudget(msgspec.Struct, kw_only=True):
+class ClusterBudget(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A cluster document's ``budget``: the initial dial λ and the author's declared ``intensity_range``, which become the
     profile's dial."""
 
@@ -113,6 +113,16 @@ def check_name(name: str) -> None:
         raise InvalidRequest("a profile name is 1–128 characters, without control characters or '/'", param="name")
     if name in RESERVED_NAMES:
         raise InvalidRequest(f"{name!r} is reserved by the profile routes; choose another name", param="name")
+
+
+# No model has more layers; a larger number could not even be stored (msgpack holds 64 bits).
+MAX_LAYER = 2**31 - 1
+
+
+def check_layer(layer: int, param: str = "layer") -> None:
+    """A layer number in ``[0, MAX_LAYER]``."""
+    if not 0 <= layer <= MAX_LAYER:
+        raise InvalidRequest(f"layer must be in [0, {MAX_LAYER}]", param=param)
 
 
 def check_features(features: list[Feature], d_sae: int, prefix: str = "features") -> None:

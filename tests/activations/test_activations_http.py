@@ -289,6 +289,7 @@ def test_streaming_closes_with_activations_before_the_steering_chunk(act_server:
         ({"top_k": 2, "sae_id": "nope"}, {}, "return_sae_activations.sae_id", "sae_not_attached"),
         ({"top_k": 2, "features": [D_SAE]}, {}, "return_sae_activations.features[0]", "invalid_feature_index"),
         ({"top_k": 2, "features": [1, 1]}, {}, "return_sae_activations.features[1]", "invalid_parameter"),
+        ({"top_k": 2, "features": []}, {}, "return_sae_activations.features", "invalid_parameter"),
         ({"top_k": 2, "positions": {"start": 5, "end": 5}}, {}, "return_sae_activations.positions", "invalid_parameter"),
     ],
 )

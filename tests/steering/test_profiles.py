@@ -86,7 +86,7 @@ def test_manual_values_steer_every_plain_request_until_cleared(srv, tiny_engine,
         ({"sae_id": "alpha", "layer": 0, "features": [{"index": 1, "strength": 1.0}]}, 400, "sae_not_attached", "layer"),
         ({"sae_id": "nope", "features": []}, 404, "sae_not_found", "id"),
         ({"sae_id": "alpha", "features": [{"index": 1, "strength": 1.0}, {"index": 1, "strength": 2.0}]}, 400, "invalid_parameter", "features[1].index"),
-        ({"sae_id": "alpha", "features": [{"index": 1}]}, 400, "invalid_parameter", "features[0]"),
+        ({"sae_id": "alpha", "features": [{"index": 1}]}, 400, "invalid_parameter", "features[0].strength"),  # the missing field
     ],
 )
 def test_manual_value_refusals(srv, body: dict[str, Any], status: int, code: str, param: str) -> None:  # type: ignore[no-untyped-def]
@@ -226,6 +226,14 @@ def test_cluster_import_binds_to_the_attached_sae_and_reports_what_it_kept(srv) 
     assert (wrong_width.status_code, wrong_width.json()["error"]["code"]) == (400, "sae_not_attached")
     bad_member = httpx.post(srv.base_url + "/api/clusters/import", json=cluster_doc("m", [(D_SAE, 1.0)]))
     assert (bad_member.status_code, bad_member.json()["error"]["code"], bad_member.json()["error"]["param"]) == (400, "invalid_feature_index", "members[0].index")
+    # Keys a cluster document's parts do not declare are refused (a named SAE would bind nothing).
+    named_sae = httpx.post(srv.base_url + "/api/clusters/import", json={**cluster_doc("n", [(1, 1.0)]), "sae": {"layer": 1, "n_features": D_SAE, "sae_id": "x"}})
+    assert (named_sae.status_code, named_sae.json()["error"]["param"]) == (400, "sae.sae_id"), named_sae.text
+    # A stored dial within the bounds PUT …/intensity takes: [0, the declared maximum].
+    over = httpx.post(srv.base_url + "/api/clusters/import", json={**cluster_doc("o", [(1, 1.0)], [0.5, 1.0]), "budget": {"intensity": 1.9, "intensity_range": [0.5, 1.0]}})
+    assert (over.status_code, over.json()["error"]["param"]) == (400, "budget.intensity"), over.text
+    huge = httpx.post(srv.base_url + "/api/profiles", json={"name": "h", "sae_id": "alpha", "layer": 2**64, "features": []})
+    assert (huge.status_code, huge.json()["error"]["param"]) == (400, "layer"), huge.text
     httpx.post(srv.base_url + "/api/profiles", json={"name": "plain", "sae_id": "alpha", "layer": 1, "features": []})
     not_cluster = httpx.put(srv.base_url + "/api/clusters/plain/intensity", json={"intensity": 1.0})
     assert (not_cluster.status_code, not_cluster.json()["error"]["code"]) == (404, "cluster_not_found")
