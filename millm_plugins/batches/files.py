@@ -14,7 +14,7 @@ from typing import Any
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Message, Receive
 
@@ -89,6 +89,8 @@ async def _form_fields(request: Request, state: BatchesState) -> tuple[str, Uplo
         raise InvalidRequest(
             f"the multipart body does not parse: {getattr(exc, 'message', None) or getattr(exc, 'detail', exc)}", code="invalid_request"
         ) from exc
+    except ClientDisconnect as exc:  # as the JSON routes answer a body cut short
+        raise InvalidRequest("the client closed the connection before the upload was complete", code="incomplete_body") from exc
     for name in form:
         if name.startswith("expires_after"):
             await form.close()

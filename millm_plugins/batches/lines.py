@@ -118,6 +118,9 @@ def check_lines(raw_lines: Iterable[bytes], url: str, max_lines: int) -> Checked
         except msgspec.DecodeError as exc:
             result.fail(BatchError(code="invalid_json_line", line=number, message=f"line {number} is not valid JSON ({exc})"))
             continue
+        except RecursionError:  # nested deeper than the interpreter's recursion limit
+            result.fail(BatchError(code="invalid_json_line", line=number, message=f"line {number} is nested too deeply to decode"))
+            continue
         problems = _check(obj, number, url, seen)
         for problem in problems:
             result.fail(problem)

@@ -110,6 +110,7 @@ def test_bad_lines_fail_the_batch_naming_each_line(server: Any) -> None:
             json.dumps({**good, "custom_id": "b", "body": "text"}),  # 9
             json.dumps({**good, "custom_id": "x", "extra": 1}),  # 10
             json.dumps({**good, "custom_id": ""}),  # 11
+            '{"custom_id": "deep", "body": ' + "[" * 5000 + "]" * 5000 + "}",  # 12: nested past the recursion limit
         ]
     )
     done = wait(client, submit(client, text.encode()).id)
@@ -126,6 +127,7 @@ def test_bad_lines_fail_the_batch_naming_each_line(server: Any) -> None:
         (9, "invalid_body", "body"),
         (10, "unknown_parameter", "extra"),
         (11, "invalid_custom_id", "custom_id"),
+        (12, "invalid_json_line", None),
     ]
     assert "line 1" in done.errors.data[3].message  # the duplicate names the first
     assert done.request_counts is not None and done.request_counts.total == 0

@@ -57,3 +57,25 @@ def test_metrics_need_the_api_key_when_one_is_set(make_server) -> None:  # type:
         samples = scrape(srv.base_url, headers={"Authorization": "Bearer metrics-key"})
         # The refusal above was counted by route, status and code.
         assert value(samples, "millm_requests_total", route="/metrics", status="401", code="invalid_api_key") == 1
+
+
+def test_a_client_gone_mid_upload_is_a_400_not_a_500(make_server) -> None:  # type: ignore[no-untyped-def]
+    """A body cut short by its client is counted as 400 incomplete_body, on a JSON route and
+    on the multipart file upload alike (never an unhandled 500)."""
+    import socket
+    import time
+
+    with make_server() as srv:
+        for path, kind in (("/v1/chat/completions", "application/json"), ("/v1/files", "multipart/form-data; boundary=b")):
+            with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+                head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {kind}\r\nContent-Length: 100000\r\n\r\n"
+                sock.sendall(head.encode() + b"--b\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbat")
+            deadline = time.monotonic() + 10
+            while True:
+                samples = scrape(srv.base_url)
+                counted = value(samples, "millm_requests_total", route=path, status="400", code="incomplete_body")
+                if counted == 1 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert counted == 1, path
+            assert value(samples, "millm_requests_total", route=path, status="500", code="internal_error") == 0, path
