@@ -175,6 +175,9 @@ def test_load_failures_are_typed_and_leak_no_path(srv: RunningServer, roots: str
     assert entries(srv)["broken"]["state"] == "available"
     plain = httpx.post(srv.base_url + "/api/models/tiny/load", content=b"{}")
     assert plain.status_code == 415  # a write to /api needs a JSON content type
+    for path, body in (("load", {"dtype": "float16"}), ("unload", {"force": True}), ("lock", {"x": 1}), ("unlock", {"x": 1})):
+        refused = post(srv, f"/api/models/tiny/{path}", body)  # these routes take no fields: refused, not dropped
+        assert (refused.status_code, refused.json()["error"]["param"]) == (400, next(iter(body))), refused.text
 
 
 def test_a_lock_serves_and_lists_one_model(srv: RunningServer) -> None:

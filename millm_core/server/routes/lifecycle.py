@@ -304,14 +304,26 @@ async def unload_model(state: AppState, name: str) -> ModelEntry:
     return _entry(state, name, found.get(name), engines.get(name))
 
 
+class NoFields(msgspec.Struct, forbid_unknown_fields=True):
+    """The body of a route that takes none: empty or ``{}``; any field is refused, naming it."""
+
+
+async def _no_fields(request: Request) -> None:
+    from ..web import read_json  # the web helpers import the routes: read at call time
+
+    await read_json(request, NoFields)
+
+
 async def load(request: Request) -> Response:
     """``POST /api/models/{model_id}/load``."""
+    await _no_fields(request)
     state = app_state(request)
     return _json(await load_model(state, _model_id(request)))
 
 
 async def unload(request: Request) -> Response:
     """``POST /api/models/{model_id}/unload``."""
+    await _no_fields(request)
     state = app_state(request)
     return _json(await unload_model(state, _model_id(request)))
 
@@ -326,6 +338,7 @@ def _loaded(state: AppState, name: str) -> None:
 
 async def lock(request: Request) -> Response:
     """``POST /api/models/{model_id}/lock``: only this model is listed and served."""
+    await _no_fields(request)
     state = app_state(request)
     name = _model_id(request)
     _loaded(state, name)
@@ -337,6 +350,7 @@ async def lock(request: Request) -> Response:
 
 async def unlock(request: Request) -> Response:
     """``POST /api/models/{model_id}/unlock``; a no-op for a model that is not locked."""
+    await _no_fields(request)
     state = app_state(request)
     name = _model_id(request)
     _loaded(state, name)
