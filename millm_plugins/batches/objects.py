@@ -89,7 +89,7 @@ class RequestCounts(msgspec.Struct, kw_only=True):
 
 
 class BatchInputTokensDetails(msgspec.Struct, kw_only=True):
-    """Prompt tokens resumed from kept state: always 0 here."""
+    """Prompt tokens resumed from kept state (prefix reuse), summed over the answered lines."""
 
     cached_tokens: int = 0
 

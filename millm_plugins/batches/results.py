@@ -30,10 +30,15 @@ class _Details(msgspec.Struct):
     reasoning_tokens: int | None = None
 
 
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
 class _Usage(msgspec.Struct):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     completion_tokens_details: _Details | None = None
+    prompt_tokens_details: _PromptDetails | None = None
 
 
 class _Answer(msgspec.Struct):
@@ -54,6 +59,7 @@ def _usage(body: bytes) -> Usage:
         input_tokens=usage.prompt_tokens or 0,
         output_tokens=usage.completion_tokens or 0,
         reasoning_tokens=(details.reasoning_tokens if details is not None else 0) or 0,
+        cached_tokens=(usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details is not None else 0) or 0,
     )
 
 

@@ -50,12 +50,13 @@ MIGRATIONS = (
     "CREATE TABLE batch_lines (batch_id TEXT NOT NULL, line INTEGER NOT NULL, custom_id TEXT NOT NULL, "
     "\"offset\" INTEGER NOT NULL, length INTEGER NOT NULL, state TEXT NOT NULL DEFAULT 'pending', result BLOB, "
     "PRIMARY KEY (batch_id, line))",
+    "ALTER TABLE batches ADD COLUMN cached_tokens INTEGER NOT NULL DEFAULT 0",
 )
 _FILE_COLUMNS = "id, filename, purpose, bytes, created_at"
 _BATCH_COLUMNS = (
     "id, endpoint, input_file_id, completion_window, status, created_at, expires_at, in_progress_at, finalizing_at, "
     "completed_at, failed_at, expired_at, cancelling_at, cancelled_at, output_file_id, error_file_id, errors, metadata, "
-    "model, total, completed, failed, input_tokens, output_tokens, reasoning_tokens"
+    "model, total, completed, failed, input_tokens, output_tokens, reasoning_tokens, cached_tokens"
 )
 _UNFINISHED = "status NOT IN ('failed', 'completed', 'expired', 'cancelled')"
 WINDOW_S = 24 * 3600
@@ -78,6 +79,7 @@ class Usage:
     input_tokens: int = 0
     output_tokens: int = 0
     reasoning_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ def _file(row: Sequence[Any]) -> FileObject:
 def _batch(row: Sequence[Any]) -> Batch:
     (id_, endpoint, input_file_id, window, status, created, expires, in_progress, finalizing, completed_at, failed_at, expired_at,
      cancelling_at, cancelled_at, output_file_id, error_file_id, errors, metadata, model, total, completed, failed, input_tokens,
-     output_tokens, reasoning) = row  # fmt: skip
+     output_tokens, reasoning, cached) = row  # fmt: skip
     return Batch(
         id=id_, endpoint=endpoint, input_file_id=input_file_id, completion_window=window, status=status, created_at=created,
         expires_at=expires, in_progress_at=in_progress, finalizing_at=finalizing, completed_at=completed_at, failed_at=failed_at,
@@ -114,7 +116,7 @@ def _batch(row: Sequence[Any]) -> Batch:
         error_file_id=error_file_id, errors=BatchErrors(data=[BatchError(**e) for e in decode_json(errors)]) if errors else None,
         metadata=decode_json(metadata) if metadata else None, model=model,
         request_counts=RequestCounts(total=total, completed=completed, failed=failed),
-        usage=BatchUsage(input_tokens=input_tokens, input_tokens_details=BatchInputTokensDetails(), output_tokens=output_tokens,
+        usage=BatchUsage(input_tokens=input_tokens, input_tokens_details=BatchInputTokensDetails(cached_tokens=cached), output_tokens=output_tokens,
                          output_tokens_details=BatchOutputTokensDetails(reasoning_tokens=reasoning), total_tokens=input_tokens + output_tokens),
     )  # fmt: skip
 
@@ -352,8 +354,9 @@ class BatchStore:
             if done:
                 conn.execute(
                     f"UPDATE batches SET {'completed' if ok else 'failed'} = {'completed' if ok else 'failed'} + 1, "
-                    "input_tokens = input_tokens + ?, output_tokens = output_tokens + ?, reasoning_tokens = reasoning_tokens + ? WHERE id = ?",
-                    (usage.input_tokens, usage.output_tokens, usage.reasoning_tokens, batch_id),
+                    "input_tokens = input_tokens + ?, output_tokens = output_tokens + ?, reasoning_tokens = reasoning_tokens + ?, "
+                    "cached_tokens = cached_tokens + ? WHERE id = ?",
+                    (usage.input_tokens, usage.output_tokens, usage.reasoning_tokens, usage.cached_tokens, batch_id),
                 )
 
         with self.store.transaction() as conn:

@@ -339,3 +339,17 @@ def test_without_the_lanes_plugin_lines_run_as_sent(make_server: Any) -> None:
     assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 1
     assert "x-millm-lane" not in response["millm"]["headers"] and "x-millm-ignored-fields" not in response["millm"]["headers"]
     assert unminted(response["body"]) == unminted(live.json()) and response["millm"]["headers"] == _millm_headers(live)
+
+
+def test_the_batch_usage_counts_the_prompt_tokens_its_lines_resumed(server: Any) -> None:
+    """Lines sharing a long prompt prefix resume it from the prefix cache; the batch's
+    ``input_tokens_details.cached_tokens`` adds up what each line's own usage reports."""
+    client = sdk(server.base_url)
+    shared = "the cat sat on the mat and looked at the sea " * 14  # past the cache's first 128-token block
+    bodies = {f"c-{i}": {"model": "tiny", "messages": [{"role": "user", "content": shared + str(i)}], "max_tokens": 2, "temperature": 0} for i in range(3)}
+    done = wait(client, submit(client, jsonl(line(cid, body) for cid, body in bodies.items())).id)
+    assert done.status == "completed" and done.output_file_id is not None and done.error_file_id is None, done
+    output = by_custom_id(read_lines(client, done.output_file_id))
+    cached = [output[cid]["response"]["body"]["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) for cid in bodies]
+    assert sum(cached) > 0, cached
+    assert done.usage is not None and done.usage.input_tokens_details.cached_tokens == sum(cached)
