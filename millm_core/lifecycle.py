@@ -18,16 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
 import msgspec
-import structlog
 
 from .config import Settings
 from .engine import ModelLocation
 from .errors import ConfigError, MillmError, ModelBusy, ModelLocked
-from .loading import choose_engine, local_revision
+from .loading import choose_engine, engine_takes, local_revision
 from .plugins import PluginHost
 from .registry import ModelRegistry, ServedModel
 
-log = structlog.get_logger("millm.lifecycle")
 T = TypeVar("T")
 ModelState = Literal["available", "loading", "loaded", "unloading"]
 # What a client is told to wait before retrying a model that is loading or unloading.
@@ -108,13 +106,7 @@ def candidates(settings: Settings, host: PluginHost, remembered: Mapping[str, Mo
 
     def loadable(path: str) -> bool:
         location = ModelLocation(path=path, served_name=os.path.basename(path))
-        for engine in engines:
-            try:
-                if engine.can_load(location):
-                    return True
-            except Exception as exc:  # noqa: BLE001 - one engine's check must not hide the others' models
-                log.warning("engine_can_load_failed", engine=engine.name, path=path, error=f"{type(exc).__name__}: {exc}")
-        return False
+        return any(engine_takes(engine, location) for engine in engines)
 
     for root in settings.model_roots:
         for model_id, path in _root_candidates(root, loadable):

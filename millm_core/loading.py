@@ -73,9 +73,25 @@ def choose_engine(location: ModelLocation, settings: Settings, host: PluginHost)
             names = ", ".join(f.name for f in host.engines())
             raise ConfigError(f"no engine named {settings.engine!r}; installed engines: {names}")
     for factory in factories:
-        if factory.can_load(location):
+        if engine_takes(factory, location):
             return factory
     raise ConfigError(f"no installed engine can serve {location.path}")
+
+
+_REPORTED: set[tuple[str, str]] = set()
+
+
+def engine_takes(factory: EngineFactory, location: ModelLocation) -> bool:
+    """``factory.can_load(location)``; an engine whose check raises (a file it cannot read,
+    a bug) takes nothing, and says so in the log once per engine and path: it must not
+    hide the models other engines serve."""
+    try:
+        return bool(factory.can_load(location))
+    except Exception as exc:  # noqa: BLE001 - a third party's check
+        if (factory.name, location.path) not in _REPORTED:
+            _REPORTED.add((factory.name, location.path))
+            log.warning("engine_can_load_failed", engine=factory.name, path=location.path, error=f"{type(exc).__name__}: {exc}")
+        return False
 
 
 def load(location: ModelLocation, settings: Settings, host: PluginHost) -> Engine:

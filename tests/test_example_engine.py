@@ -11,6 +11,7 @@ import shutil
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -194,9 +195,9 @@ def test_model_roots_list_the_files_a_third_party_engine_loads(installed_engine:
     assert listed == {"top.bigram.json", "org/nested.bigram.json"}
 
 
-def test_an_engine_whose_check_raises_hides_no_other_model(installed_engine: str, model_path: str, tmp_path: pathlib.Path) -> None:
+def test_an_engine_whose_check_raises_hides_no_other_model(installed_engine: str, model_path: str, tmp_path: pathlib.Path, make_server: Any) -> None:
     """One engine's ``can_load`` raising (a file it cannot read, a bug) is logged; the
-    models the other engines take are still listed."""
+    models the other engines take are still listed, over HTTP too, and load."""
     from millm_core.api import EngineFactory, hookimpl
     from millm_core.lifecycle import candidates
 
@@ -213,3 +214,8 @@ def test_an_engine_whose_check_raises_hides_no_other_model(installed_engine: str
     host = build_host(settings)
     host.register(Broken(), "broken")
     assert {c.id for c in candidates(settings, host).values() if c.source == "directory"} == {"top.bigram.json"}
+    with make_server(host=host, models=[], model_roots=(str(tmp_path),)) as srv:
+        listed = httpx.get(srv.base_url + "/api/models", timeout=60).json()["data"]
+        assert [(m["id"], m["engine"]) for m in listed if m["id"] == "top.bigram.json"] == [("top.bigram.json", "example")]
+        loaded = httpx.post(srv.base_url + "/api/models/top.bigram.json/load", json={}, timeout=60)
+        assert loaded.status_code == 200 and loaded.json()["state"] == "loaded", loaded.text
