@@ -236,14 +236,17 @@ def _check_dial_bounds(dial: Dial, dials: Dials, param: str) -> None:
         )
 
 
-def _check_import(state: SteeringState, document: ProfileExport, dials: Dials) -> None:
-    """Check every profile (blocking: may read SAE files)."""
+def _check_import(state: SteeringState, document: ProfileExport) -> None:
+    """Check every profile (blocking: may read SAE files). A cluster's dial is checked
+    against its own declared range only: an export from a server with another ceiling
+    imports as it was."""
     for position, profile in enumerate(document.profiles):
         try:
             _validate(state, profile)
             if profile.cluster is not None:
                 check_dial(profile.cluster, param="cluster")
-                _check_dial_bounds(profile.cluster, dials, "cluster")
+                if profile.cluster.intensity_range is not None:
+                    _check_dial_bounds(profile.cluster, Dials(floor=0.0, ceiling=2.0), "cluster")
         except MillmError as exc:
             exc.param = f"profiles[{position}].{exc.param}" if exc.param else f"profiles[{position}]"
             raise
@@ -260,7 +263,7 @@ async def import_profiles(request: Request) -> Response:
     if body.format != EXPORT_FORMAT:
         raise InvalidRequest(f"format {body.format!r} is not {EXPORT_FORMAT}", param="format")
     state, overwrite = steering_state(request), _replace(request)
-    await asyncio.to_thread(_check_import, state, body, dials_of(app_context(request)))
+    await asyncio.to_thread(_check_import, state, body)
     await state.commit(lambda live: replace(live, profiles=added(live.profiles, body.profiles, replace=overwrite)))
     return json_response(Imported(imported=[p.name for p in body.profiles]), status=201)
 
@@ -287,9 +290,13 @@ async def import_cluster(request: Request) -> Response:
     if len(candidates) > 1:
         raise InvalidRequest(f"several SAEs of width {doc.sae.n_features} are attached at layer {doc.sae.layer}: {candidates}", param="sae")
     check_name(doc.name)
+    dials = dials_of(app_context(request))
+    if doc.budget.intensity is None:  # not sent: 1 within the dial's bounds, never a refusal
+        _, high = bounds(doc.budget.intensity_range, dials.floor, dials.ceiling)
+        doc = msgspec.structs.replace(doc, budget=msgspec.structs.replace(doc.budget, intensity=min(1.0, high)))
     profile = cluster_profile(doc, candidates[0])
     assert profile.cluster is not None
-    _check_dial_bounds(profile.cluster, dials_of(app_context(request)), "budget")
+    _check_dial_bounds(profile.cluster, dials, "budget")
     overwrite = _replace(request)
     live = await state.commit(lambda live: replace(live, profiles=added(live.profiles, [profile], replace=overwrite, param="name")))
     known = {"name", "sae", "members", "budget"}

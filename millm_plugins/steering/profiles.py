@@ -89,7 +89,7 @@ class ClusterBudget(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A cluster document's ``budget``: the initial dial λ and the author's declared ``intensity_range``, which become the
     profile's dial."""
 
-    intensity: float = 1.0
+    intensity: float | None = None  # not sent: 1, within the dial's bounds
     intensity_range: tuple[float, float] | None = None
 
 
@@ -164,7 +164,7 @@ def cluster_profile(doc: ClusterDocument, sae_id: str) -> Profile:
     ``sign`` with a negative strength flips it, as written)."""
     features = [Feature(index=m.feature_idx, strength=m.strength * _sign(m, i)) for i, m in enumerate(doc.members)]
     check_features(features, doc.sae.n_features, prefix="members")
-    dial = Dial(intensity=doc.budget.intensity, intensity_range=doc.budget.intensity_range)
+    dial = Dial(intensity=1.0 if doc.budget.intensity is None else doc.budget.intensity, intensity_range=doc.budget.intensity_range)
     check_dial(dial)
     return Profile(name=doc.name, sae_id=sae_id, layer=doc.sae.layer, features=features, cluster=dial)
 

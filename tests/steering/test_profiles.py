@@ -232,6 +232,9 @@ def test_cluster_import_binds_to_the_attached_sae_and_reports_what_it_kept(srv) 
     # A stored dial within the bounds PUT …/intensity takes: [0, the declared maximum].
     over = httpx.post(srv.base_url + "/api/clusters/import", json={**cluster_doc("o", [(1, 1.0)], [0.5, 1.0]), "budget": {"intensity": 1.9, "intensity_range": [0.5, 1.0]}})
     assert (over.status_code, over.json()["error"]["param"]) == (400, "budget.intensity"), over.text
+    # Not sent, the dial starts at 1 within those bounds: never refused for what was not sent.
+    unsent = httpx.post(srv.base_url + "/api/clusters/import", json={**cluster_doc("u", [(1, 1.0)]), "budget": {"intensity_range": [0.2, 0.6]}})
+    assert unsent.status_code == 201 and unsent.json()["cluster"] == {"intensity": 0.6, "intensity_range": [0.2, 0.6]}, unsent.text
     huge = httpx.post(srv.base_url + "/api/profiles", json={"name": "h", "sae_id": "alpha", "layer": 2**64, "features": []})
     assert (huge.status_code, huge.json()["error"]["param"]) == (400, "layer"), huge.text
     httpx.post(srv.base_url + "/api/profiles", json={"name": "plain", "sae_id": "alpha", "layer": 1, "features": []})
