@@ -20,7 +20,7 @@ _PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 # A bad key of a mapping: "... - at `key` in `$.path`" (the mapping's path).
 _KEY = re.compile(r" - at `key` in `\$\.?(?P<path>[^`]*)`$")
 # A field named in the message itself: the param is the field's own path.
-_FIELD = re.compile(r"^Object (?:contains unknown|missing required) field `(?P<field>[^`]*)`")
+_FIELD = re.compile(r"^Object (?:contains unknown|missing required) field `(?P<field>.*)`$")
 
 
 def encode(obj: Any) -> bytes:

@@ -10,7 +10,7 @@ if the allow-list (``--plugins``) names it, or when there is no allow-list.
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, cast
@@ -34,6 +34,11 @@ log = structlog.get_logger("millm.plugins")
 
 ENTRY_POINT_GROUP = "millm"
 INFRA_KINDS = frozenset({"engine", "models"})
+
+
+# Hooks the host calls implementation by implementation (every one runs even after one
+# raised, or their results are ordered by registration): pluggy's wrappers cannot wrap them.
+_CALLED_ONE_BY_ONE = ("millm_validate", "millm_validate_switch", "millm_model_unloaded", "millm_shutdown")
 
 
 @dataclass(frozen=True)
@@ -61,8 +66,15 @@ class PluginHost:
     # -------------------------------------------------------------- discovery
 
     def register(self, plugin: object, name: str, *, origin: str = "direct") -> None:
-        """Register a plugin object (module or instance) under ``name``."""
+        """Register a plugin object (module or instance) under ``name``. Raises
+        ``ConfigError`` for a wrapper on a hook the host calls implementation by
+        implementation (see :data:`_CALLED_ONE_BY_ONE`)."""
         self._pm.register(plugin, name=name)
+        for hook in _CALLED_ONE_BY_ONE:
+            for impl in getattr(self._pm.hook, hook).get_hookimpls():
+                if impl.plugin_name == name and (impl.hookwrapper or getattr(impl, "wrapper", False)):
+                    self._pm.unregister(name=name)
+                    raise ConfigError(f"plugin {name!r}: {hook} takes no wrappers (the host calls each implementation itself)")
         self.records.append(PluginRecord(name, plugin_kind(plugin), True, origin))
 
     def unregister(self, name: str) -> None:
@@ -219,14 +231,17 @@ class PluginHost:
     # -------------------------------------------------------------- request hooks
 
     def validate(self, ctx: RequestContext, request: Any) -> list[Problem]:
+        return self._problems("millm_validate", {"ctx": ctx, "request": request})
+
+    def _problems(self, hook: str, arguments: dict[str, Any]) -> list[Problem]:
         """Every plugin's problems, reported in the plugins' registration order (the first
         decides the response's status and code). The implementations run in pluggy's order,
         so a ``tryfirst`` one (scoring) has reported the fields it leaves unused before the
         others look at them."""
         order = {record.name: index for index, record in enumerate(self.records)}
         found: list[tuple[int, list[Problem]]] = []
-        for impl in reversed(self._pm.hook.millm_validate.get_hookimpls()):  # pluggy's call order
-            batch = cast("Iterable[Problem] | None", impl.function(*[{"ctx": ctx, "request": request}[name] for name in impl.argnames]))
+        for impl in reversed(getattr(self._pm.hook, hook).get_hookimpls()):  # pluggy's call order
+            batch = cast("Iterable[Problem] | None", impl.function(*[arguments[name] for name in impl.argnames]))
             found.append((order.get(impl.plugin_name or "", len(order)), list(batch or ())))
         return [problem for _, batch in sorted(found, key=lambda item: item[0]) for problem in batch]
 
@@ -239,8 +254,7 @@ class PluginHost:
         return result
 
     def validate_switch(self, ctx: RequestContext, request: Any, target: SwitchTarget) -> list[Problem]:
-        results: Sequence[Iterable[Problem] | None] = self._pm.hook.millm_validate_switch(ctx=ctx, request=request, target=target)
-        return [problem for batch in reversed(results) if batch for problem in batch]
+        return self._problems("millm_validate_switch", {"ctx": ctx, "request": request, "target": target})
 
     def execute(self, ctx: RequestContext, request: Any, model: ServedModel) -> Execution | None:
         result: Execution | None = self._pm.hook.millm_execute(ctx=ctx, request=request, model=model)

@@ -201,15 +201,32 @@ class _First(_Refuser):
 
 
 def test_validation_problems_come_in_registration_order_whatever_runs_first(make_server: Any) -> None:
-    """A ``tryfirst`` validate runs before the others, but the problems are reported in
-    the plugins' registration order: the first registered plugin's decides the error."""
+    """A ``tryfirst`` validate runs before the others (pluggy then calls the last
+    registered first), but the problems are reported in the plugins' registration order:
+    the first registered plugin's decides the error, and the message lists them in order."""
     calls: list[str] = []
     host = build_host(load_settings(environ={}))
-    host.register(_First("early", calls), "early")
-    host.register(_Plain("middle", calls), "middle")
-    host.register(_Plain("late", calls), "late")
+    host.register(_Plain("a", calls), "a")
+    host.register(_First("b", calls), "b")
+    host.register(_Plain("c", calls), "c")
     with make_server(host=host) as srv:
         body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
         resp = httpx.post(srv.base_url + "/v1/completions", json=body, headers={"x-refuse": "1"}, timeout=30)
-    assert resp.status_code == 400 and resp.json()["error"]["code"] == "refused_early", resp.text
-    assert calls[:3] == ["early", "late", "middle"]  # tryfirst, then pluggy's last-registered-first
+    assert calls == ["b", "c", "a"]
+    error = resp.json()["error"]
+    assert resp.status_code == 400 and error["code"] == "refused_a", resp.text
+    message = error["message"]
+    assert message.index("refused by a") < message.index("refused by b") < message.index("refused by c"), message
+
+
+class _Wrapper:
+    @hookimpl(wrapper=True)
+    def millm_validate(self, ctx: Any, request: Any) -> Any:
+        return (yield)
+
+
+def test_a_wrapper_on_a_hook_called_one_by_one_is_refused_at_registration() -> None:
+    host = build_host(load_settings(environ={}))
+    with pytest.raises(ConfigError, match="takes no wrappers"):
+        host.register(_Wrapper(), "wrapper")
+    assert "wrapper" not in host.names()

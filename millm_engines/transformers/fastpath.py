@@ -308,6 +308,8 @@ class LlamaDecoder:
             if name not in ("_products", "_head"):
                 setattr(twin, name, copy.deepcopy(value, memo))
         twin._resolve_products()
+        twin.packed_bytes = 0 if twin._packed is not None else twin.packed_bytes
+        twin.packing_refusal = "a copy: its weights have no blocked copies" if twin._packed is not None else twin.packing_refusal
         return twin
 
     @torch.inference_mode()
