@@ -184,10 +184,20 @@ def _node_problems(root: dict[str, Any], node: dict[str, Any], path: tuple[str, 
     pattern = node.get("pattern")
     if isinstance(pattern, str) and (reason := _pattern_problem(pattern)) is not None:
         yield SchemaProblem(pointer((*path, "pattern")), "pattern", reason)
-    for low, high in (("minLength", "maxLength"), ("minItems", "maxItems")):
+    for low, high in (("minLength", "maxLength"), ("minItems", "maxItems"), ("minimum", "maximum")):
         lo, hi = node.get(low), node.get(high)
-        if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
+        if isinstance(lo, int | float) and isinstance(hi, int | float) and not isinstance(lo, bool) and not isinstance(hi, bool) and lo > hi:
             yield SchemaProblem(pointer((*path, low)), low, f"{low} {lo} exceeds {high} {hi}: no value can satisfy it")
+    for key in ("enum", "type"):
+        if node.get(key) == []:
+            yield SchemaProblem(pointer((*path, key)), key, f"an empty {key} list: no value can satisfy it")
+    required = node.get("required")
+    if node.get("additionalProperties") is False and isinstance(required, list) and (properties is None or isinstance(properties, dict)):
+        missing = [name for name in required if isinstance(name, str) and name not in (properties or {})]
+        if missing:
+            yield SchemaProblem(
+                pointer((*path, "required")), "required", f"{missing[0]!r} is required but not a property, and additionalProperties is false"
+            )
     for key in _VALUES:
         if key in node and depth + _value_depth(node[key]) > MAX_DEPTH + 1:
             yield SchemaProblem(pointer((*path, key)), key, f"nesting depth exceeds the limit of {MAX_DEPTH}")

@@ -34,11 +34,11 @@ from millm_core.api import (
     TokenProcessor,
     hookimpl,
 )
-from millm_plugins.structured.budget import schema_pattern_problems
+from millm_plugins.structured.budget import pattern_problem, schema_pattern_problems
 from millm_plugins.structured.cache import ready_vocab, vocab_for
 from millm_plugins.structured.lazy import LazyConstraint
 from millm_plugins.structured.plugin import constraint_of
-from millm_plugins.structured.schema import MAX_BYTES, MAX_DEPTH, ResponseFormatUnsupported, check_schema
+from millm_plugins.structured.schema import MAX_BYTES, MAX_DEPTH, ResponseFormatUnsupported, check_schema, check_validator
 
 from .fields import MAX_TOOLS, Tool, ToolChoice, forced_name, tool_dicts, unset
 from .formats import CallFormat, ForcedCall, detect_format, takes_tools
@@ -244,6 +244,23 @@ def _call_for_template(call: Any) -> Any:
     return out
 
 
+def _unheld_strict(ctx: RequestContext, tools: list[Tool]) -> None:
+    """``strict: true`` asks for arguments held to the schema; where no call is
+    constrained (``auto``, ``none``, arguments beyond the enforced subset) it is reported."""
+    ctx.ignored_fields.extend(f"tools[{i}].function.strict" for i, t in enumerate(tools) if t.function.strict is True)
+
+
+def _valid_schema(parameters: Any) -> bool:
+    """Whether a tool's ``parameters`` is absent or a valid Draft 2020-12 schema."""
+    if not isinstance(parameters, dict):
+        return True
+    try:
+        check_validator(parameters, "tools")
+    except ResponseFormatUnsupported:
+        return False
+    return True
+
+
 @hookimpl(tryfirst=True)
 def millm_render_chat(ctx: RequestContext, request: Any, model: ServedModel, chat: ChatRender) -> None:
     """First of the render hooks, while ``chat.messages`` still lines up with the
@@ -253,6 +270,7 @@ def millm_render_chat(ctx: RequestContext, request: Any, model: ServedModel, cha
         return
     _history(chat, template)
     if not _active(request):
+        _unheld_strict(ctx, TOOLS.get(request) or [])
         return
     tools = TOOLS.get(request) or []
     fmt = _format_of(template)
@@ -271,7 +289,9 @@ def millm_render_chat(ctx: RequestContext, request: Any, model: ServedModel, cha
     constrained = False
     if forced is not None and Capability.STRUCTURED_OUTPUT in model.capabilities:
         if forced.pattern is not None:
-            constrained = True
+            # A pattern too costly to compile, or parameters that are no valid schema (the
+            # finished call could not be checked against them), leave the call unconstrained.
+            constrained = pattern_problem(forced.pattern) is None and all(_valid_schema(t.function.parameters) for t in tools)
         elif forced.schema is not None:
             try:
                 check_schema(forced.schema, "tools")
@@ -279,6 +299,8 @@ def millm_render_chat(ctx: RequestContext, request: Any, model: ServedModel, cha
                 constrained = not schema_pattern_problems(forced.schema)
             except ResponseFormatUnsupported:
                 constrained = False  # arguments outside the enforced subset: the opening is still forced
+    if not constrained:
+        _unheld_strict(ctx, tools)
     parallel = PARALLEL.get(request)
     schemas = {t.function.name: t.function.parameters for t in tools if isinstance(t.function.parameters, dict)}
     ctx.stash[CALLING] = Calling(

@@ -155,12 +155,37 @@ def test_gguf_honours_response_format(gguf_server: RunningServer) -> None:
 def test_a_pattern_too_costly_to_compile_is_refused_up_front(server: RunningServer) -> None:
     """A pattern's automaton grows with its repeat counts and would be built between decode
     steps, stalling every row: a count past the bound is a 400 at validation."""
-    for pattern in ("^[a-z]{0,20000}$", ".*a.{12}b"):  # a long count; a count beside an unbounded repeat (2^12 states)
+    costly = (
+        "^[a-z]{0,20000}$",  # a long count
+        ".*a.{12}b",  # a count beside an unbounded repeat (2^12 states)
+        "((ab){90}){90}",  # nested counts multiply (minutes to build)
+        "a{,8000}",  # the {,n} form
+        "\\\\{3000}",  # an escaped backslash, repeated
+        "[a-z]{0,256}[0-9]{0,256}[a-z]{0,256}[0-9]{0,256}[a-z]{0,256}[0-9]{0,256}[a-z]{0,256}",  # each count allowed, their sum not
+    )
+    for pattern in costly:
         schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": pattern}}}
         resp = _chat(server, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
         assert resp.status_code == 400
         error = resp.json()["error"]
-        assert error["code"] == "response_format_unsupported" and "/properties/code/pattern" in error["message"]
+        assert error["code"] == "response_format_unsupported" and "/properties/code/pattern" in error["message"], pattern
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]}, "/properties/a/enum"),
+        ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 2}}}, "/properties/a/minimum"),
+        ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"], "additionalProperties": False}, "/required"),
+    ],
+)
+def test_a_schema_no_value_satisfies_is_refused_up_front(server: RunningServer, schema: dict[str, Any], where: str) -> None:
+    """Rather than a 500 once the model has written what it could (the constraint dead-ends
+    or the final check fails)."""
+    resp = _chat(server, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "response_format_unsupported" and where in error["message"], error
 
 
 def test_a_document_outside_a_numeric_range_is_never_a_stop(server: RunningServer) -> None:

@@ -137,6 +137,16 @@ def test_auto_with_a_model_that_writes_no_call_returns_content(tools_server: Run
     assert "x-millm-constrained" not in resp.headers
 
 
+def test_strict_is_reported_where_no_call_is_constrained(tools_server: RunningServer) -> None:
+    """``strict: true`` holds arguments to the schema only where the call is constrained (a
+    forced call): with ``auto`` it is reported, never silently dropped."""
+    strict = [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}, CLOCK]
+    auto = _chat(tools_server, tools=strict, max_tokens=4)
+    assert auto.status_code == 200 and auto.headers["x-millm-ignored-fields"] == '"tools[0].function.strict"', auto.headers
+    forced = _chat(tools_server, tools=strict, tool_choice=NAMED)
+    assert forced.headers["x-millm-constrained"] == "tool_arguments" and "x-millm-ignored-fields" not in forced.headers
+
+
 def test_tool_history_is_rendered_by_the_template(tools_server: RunningServer) -> None:
     history = [
         *MESSAGES,

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from millm_plugins.structured.schema import check_schema
 from millm_plugins.tools.formats import (
     FORMATS,
     HERMES,
@@ -376,6 +377,21 @@ def test_required_keeps_each_tools_refs_pointing_at_its_own_defs(fmt: CallFormat
     assert PYDANTIC_LIKE["$defs"]["Person"]["properties"]["boss"] == {"$ref": "#/$defs/Person"}
 
 
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3], ids=lambda f: f.name)
+def test_required_hoists_definitions_too(fmt: CallFormat) -> None:
+    """The older ``definitions`` keyword is hoisted as ``$defs`` is, so the call stays
+    constrained (its refs resolve within millm's subset)."""
+    legacy = tool("send", {"type": "object", "properties": {"to": {"$ref": "#/definitions/P"}}, "definitions": {"P": {"type": "integer"}}})
+    forced = fmt.forced([legacy, tool("other", {"type": "object", "properties": {"n": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "string"}}})], None)
+    assert forced.schema is not None
+    check_schema(forced.schema, "tools")  # in the enforced subset: the call is constrained
+    key = "arguments" if fmt is HERMES else "parameters"
+    jsonschema.validate({"name": "send", key: {"to": 3}}, forced.schema)
+    jsonschema.validate({"name": "other", key: {"n": "x"}}, forced.schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "send", key: {"to": "x"}}, forced.schema)
+
+
 # --- format detection -------------------------------------------------------------------------
 
 
@@ -627,3 +643,22 @@ def test_pythonic_forced_arguments_follow_the_schema() -> None:
     # Nested parameters are beyond a flat pattern: only the opening is forced.
     nested = {"type": "object", "properties": {"where": {"type": "object"}}}
     assert arguments_pattern(nested) is None and PYTHONIC.forced([tool("n", nested)], "n").pattern is None
+
+
+def test_a_forced_pythonic_call_past_the_pattern_budget_is_left_unconstrained() -> None:
+    """A forced pythonic call is constrained by one regular expression built on the model
+    thread: a string argument costs ~770 automaton states, so four (1.4 s to build) are over
+    the budget and the call goes unconstrained; a length range no string fits has no
+    pattern; parameters that are no valid schema never constrain (the finished call could
+    not be checked against them)."""
+    from millm_plugins.structured.budget import pattern_problem
+    from millm_plugins.tools.formats.pythonic import arguments_pattern
+    from millm_plugins.tools.plugin import _valid_schema
+
+    one = arguments_pattern({"type": "object", "properties": {"a": {"type": "string"}}})
+    four = arguments_pattern({"type": "object", "properties": {k: {"type": "string"} for k in "abcd"}})
+    assert one is not None and four is not None
+    assert pattern_problem(one) is None and pattern_problem(four) is not None
+    assert arguments_pattern({"type": "object", "properties": {"a": {"type": "string", "minLength": 5, "maxLength": 2}}}) is None
+    assert _valid_schema({"type": "object", "properties": {"a": {"type": "string"}}}) and _valid_schema(None)
+    assert not _valid_schema({"type": "object", "required": "a"})

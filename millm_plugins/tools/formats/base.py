@@ -174,8 +174,9 @@ def any_call_schema(tools: Sequence[Mapping[str, Any]], arguments_key: str) -> d
     """``{"anyOf": [one call object per tool]}``: the JSON of a call to any of ``tools``.
 
     Each tool's parameters move under ``/anyOf/i/properties/<arguments_key>``, so their local
-    ``$ref`` pointers are rewritten: ``#/$defs/X`` to a root ``$defs`` entry ``t<i>_X`` (the
-    tool's ``$defs`` are hoisted there), any other ``#…`` to the parameters' new place."""
+    ``$ref`` pointers are rewritten: ``#/$defs/X`` to a root ``$defs`` entry ``t<i>_X`` and
+    ``#/definitions/X`` (the older keyword) to ``t<i>_d_X`` (both hoisted there), any other
+    ``#…`` to the parameters' new place."""
     if not tools:
         raise ValueError("tool_choice 'required' needs at least one tool")
     branches: list[dict[str, Any]] = []
@@ -183,13 +184,14 @@ def any_call_schema(tools: Sequence[Mapping[str, Any]], arguments_key: str) -> d
     for index, tool in enumerate(tools):
         function = function_of(tool)
         parameters = parameters_of(function)
-        defs = parameters.pop("$defs", None)
+        defs, legacy = parameters.pop("$defs", None), parameters.pop("definitions", None)
         prefix = f"t{index}_"
         home = f"#/anyOf/{index}/properties/{arguments_key}"
         parameters = _relocate_refs(parameters, prefix, home)
-        if isinstance(defs, dict):
-            for key, definition in defs.items():
-                hoisted[prefix + key] = _relocate_refs(definition, prefix, home)
+        for found, key_prefix in ((defs, prefix), (legacy, prefix + "d_")):
+            if isinstance(found, dict):
+                for key, definition in found.items():
+                    hoisted[key_prefix + key] = _relocate_refs(definition, prefix, home)
         branches.append(
             {
                 "type": "object",
@@ -218,5 +220,10 @@ def _relocate_refs(node: Any, prefix: str, home: str) -> Any:
     if isinstance(ref, str) and ref.startswith("#"):
         # A def key's pointer segment is escaped (~0, ~1); the prefix has neither, so prefixing
         # the escaped segment is the same as escaping the prefixed key.
-        out["$ref"] = "#/$defs/" + prefix + ref[len("#/$defs/") :] if ref.startswith("#/$defs/") else home + ref[1:]
+        if ref.startswith("#/$defs/"):
+            out["$ref"] = "#/$defs/" + prefix + ref[len("#/$defs/") :]
+        elif ref.startswith("#/definitions/"):
+            out["$ref"] = "#/$defs/" + prefix + "d_" + ref[len("#/definitions/") :]
+        else:
+            out["$ref"] = home + ref[1:]
     return out

@@ -176,6 +176,8 @@ def _value_pattern(schema: Any) -> str | None:
         shortest, longest = schema.get("minLength", 0), schema.get("maxLength", _MAX_STRING)
         if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_STRING for v in (shortest, longest)):
             return None
+        if shortest > longest:  # no string fits: left to the schema check, not a pattern
+            return None
         return f"'{_STRING_CHAR}{{{shortest},{longest}}}'"
     if kind == "boolean":
         return "(True|False)"
