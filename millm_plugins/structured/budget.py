@@ -27,10 +27,11 @@ MAX_EXPANDED = 1600
 
 @dataclass
 class _Cost:
-    expanded: int = 0  # items with bounded repeats written out
-    unbounded: bool = False
+    unbounded: int = 0  # how many unbounded repeats
     widest: int = 0  # the largest bounded repeat count
     widest_text: str = ""
+    widest_open: int = 0  # the largest n of an open repeat {n,}
+    widest_open_text: str = ""
 
 
 def _cost(items: Any, cost: _Cost) -> int:
@@ -41,8 +42,10 @@ def _cost(items: Any, cost: _Cost) -> int:
             low, high, sub = arg
             inner = _cost(sub, cost)
             if high is sre.MAXREPEAT or high == sre.MAXREPEAT:
-                cost.unbounded = True
+                cost.unbounded += 1
                 size += inner * max(low, 1)
+                if low > cost.widest_open:  # {n,}: n copies, then a loop
+                    cost.widest_open, cost.widest_open_text = low, f"{{{low},}}"
             else:
                 if high > cost.widest:
                     cost.widest, cost.widest_text = high, f"{{{low},{high}}}" if low != high else f"{{{high}}}"
@@ -68,10 +71,13 @@ def pattern_problem(pattern: str) -> str | None:
         return _written_problem(pattern)
     cost = _Cost()
     expanded = _cost(list(parsed), cost)
-    if cost.widest > MAX_REPEAT:
-        return f"pattern repeat count {cost.widest_text} exceeds {MAX_REPEAT}"
+    for count, text in ((cost.widest, cost.widest_text), (cost.widest_open, cost.widest_open_text)):
+        if count > MAX_REPEAT:
+            return f"pattern repeat count {text} exceeds {MAX_REPEAT}"
     if cost.unbounded and cost.widest > MAX_REPEAT_BESIDE_UNBOUNDED:
         return f"pattern repeat count {cost.widest_text} beside an unbounded repeat exceeds {MAX_REPEAT_BESIDE_UNBOUNDED}"
+    if cost.unbounded > 1 and cost.widest_open > MAX_REPEAT_BESIDE_UNBOUNDED:  # ``^.{12,}$`` alone is cheap
+        return f"pattern repeat count {cost.widest_open_text} beside another unbounded repeat exceeds {MAX_REPEAT_BESIDE_UNBOUNDED}"
     if expanded > MAX_EXPANDED:
         return f"the pattern written out with its repeats expanded has {expanded} items, more than {MAX_EXPANDED}"
     return None

@@ -118,8 +118,8 @@ def _escaped_at_end(text: str) -> bool:
 def _pattern_problem(pattern: str) -> str | None:
     try:
         re.compile(pattern)
-    except re.error as exc:
-        return f"pattern is not a valid regular expression ({exc})"
+    except (re.error, RecursionError, OverflowError) as exc:  # a count past C's integers, nesting past the stack
+        return f"pattern is not a valid regular expression ({type(exc).__name__}: {exc})"
     try:
         interegular.parse_pattern(enforcer_pattern(pattern))
     except Exception as exc:  # interegular raises its own Unsupported and plain errors
@@ -184,7 +184,11 @@ def _node_problems(root: dict[str, Any], node: dict[str, Any], path: tuple[str, 
     pattern = node.get("pattern")
     if isinstance(pattern, str) and (reason := _pattern_problem(pattern)) is not None:
         yield SchemaProblem(pointer((*path, "pattern")), "pattern", reason)
+    kind = node.get("type")
+    numeric = kind in ("integer", "number") or (isinstance(kind, list) and bool(kind) and set(kind) <= {"integer", "number"})
     for low, high in (("minLength", "maxLength"), ("minItems", "maxItems"), ("minimum", "maximum")):
+        if low == "minimum" and not numeric:  # another type's values pass numeric bounds
+            continue
         lo, hi = node.get(low), node.get(high)
         if isinstance(lo, int | float) and isinstance(hi, int | float) and not isinstance(lo, bool) and not isinstance(hi, bool) and lo > hi:
             yield SchemaProblem(pointer((*path, low)), low, f"{low} {lo} exceeds {high} {hi}: no value can satisfy it")
@@ -192,7 +196,7 @@ def _node_problems(root: dict[str, Any], node: dict[str, Any], path: tuple[str, 
         if node.get(key) == []:
             yield SchemaProblem(pointer((*path, key)), key, f"an empty {key} list: no value can satisfy it")
     required = node.get("required")
-    if node.get("additionalProperties") is False and isinstance(required, list) and (properties is None or isinstance(properties, dict)):
+    if kind == "object" and node.get("additionalProperties") is False and isinstance(required, list) and (properties is None or isinstance(properties, dict)):
         missing = [name for name in required if isinstance(name, str) and name not in (properties or {})]
         if missing:
             yield SchemaProblem(

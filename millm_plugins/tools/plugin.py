@@ -291,7 +291,9 @@ def millm_render_chat(ctx: RequestContext, request: Any, model: ServedModel, cha
         if forced.pattern is not None:
             # A pattern too costly to compile, or parameters that are no valid schema (the
             # finished call could not be checked against them), leave the call unconstrained.
-            constrained = pattern_problem(forced.pattern) is None and all(_valid_schema(t.function.parameters) for t in tools)
+            named = forced_name(choice)
+            callable_ = [t for t in tools if named is None or t.function.name == named]
+            constrained = pattern_problem(forced.pattern) is None and all(_valid_schema(t.function.parameters) for t in callable_)
         elif forced.schema is not None:
             try:
                 check_schema(forced.schema, "tools")

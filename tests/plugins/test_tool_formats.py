@@ -381,12 +381,20 @@ def test_required_keeps_each_tools_refs_pointing_at_its_own_defs(fmt: CallFormat
 def test_required_hoists_definitions_too(fmt: CallFormat) -> None:
     """The older ``definitions`` keyword is hoisted as ``$defs`` is, so the call stays
     constrained (its refs resolve within millm's subset)."""
-    legacy = tool("send", {"type": "object", "properties": {"to": {"$ref": "#/definitions/P"}}, "definitions": {"P": {"type": "integer"}}})
+    legacy = tool(
+        "send",
+        {
+            "type": "object",
+            "properties": {"to": {"$ref": "#/definitions/P"}, "cc": {"$ref": "#/$defs/d_P"}},
+            "definitions": {"P": {"type": "integer"}},
+            "$defs": {"d_P": {"type": "string"}},  # a $defs key that looks like a hoisted definitions one
+        },
+    )
     forced = fmt.forced([legacy, tool("other", {"type": "object", "properties": {"n": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "string"}}})], None)
     assert forced.schema is not None
     check_schema(forced.schema, "tools")  # in the enforced subset: the call is constrained
     key = "arguments" if fmt is HERMES else "parameters"
-    jsonschema.validate({"name": "send", key: {"to": 3}}, forced.schema)
+    jsonschema.validate({"name": "send", key: {"to": 3, "cc": "x"}}, forced.schema)
     jsonschema.validate({"name": "other", key: {"n": "x"}}, forced.schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "send", key: {"to": "x"}}, forced.schema)

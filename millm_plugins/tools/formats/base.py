@@ -175,7 +175,7 @@ def any_call_schema(tools: Sequence[Mapping[str, Any]], arguments_key: str) -> d
 
     Each tool's parameters move under ``/anyOf/i/properties/<arguments_key>``, so their local
     ``$ref`` pointers are rewritten: ``#/$defs/X`` to a root ``$defs`` entry ``t<i>_X`` and
-    ``#/definitions/X`` (the older keyword) to ``t<i>_d_X`` (both hoisted there), any other
+    ``#/definitions/X`` (the older keyword) to ``t<i>d_X`` (both hoisted there), any other
     ``#…`` to the parameters' new place."""
     if not tools:
         raise ValueError("tool_choice 'required' needs at least one tool")
@@ -188,7 +188,7 @@ def any_call_schema(tools: Sequence[Mapping[str, Any]], arguments_key: str) -> d
         prefix = f"t{index}_"
         home = f"#/anyOf/{index}/properties/{arguments_key}"
         parameters = _relocate_refs(parameters, prefix, home)
-        for found, key_prefix in ((defs, prefix), (legacy, prefix + "d_")):
+        for found, key_prefix in ((defs, prefix), (legacy, f"t{index}d_")):
             if isinstance(found, dict):
                 for key, definition in found.items():
                     hoisted[key_prefix + key] = _relocate_refs(definition, prefix, home)
@@ -223,7 +223,7 @@ def _relocate_refs(node: Any, prefix: str, home: str) -> Any:
         if ref.startswith("#/$defs/"):
             out["$ref"] = "#/$defs/" + prefix + ref[len("#/$defs/") :]
         elif ref.startswith("#/definitions/"):
-            out["$ref"] = "#/$defs/" + prefix + "d_" + ref[len("#/definitions/") :]
+            out["$ref"] = "#/$defs/" + prefix[:-1] + "d_" + ref[len("#/definitions/") :]
         else:
             out["$ref"] = home + ref[1:]
     return out
