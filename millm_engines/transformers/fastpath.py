@@ -10,7 +10,9 @@ mathematics with fewer, larger operations:
   (used for prefill) computes exactly as before;
 - a preallocated KV cache written in place (no concatenation per step);
 - rotary cos/sin computed once per step by the model's own rotary module;
-- RMSNorm written exactly as HF's (float32 accumulation), so results match HF's forward.
+- RMSNorm written exactly as HF's (float32 accumulation), so results match HF's forward;
+- the layers run in one call to TorchScript's interpreter where that is exact (see
+  :mod:`.leanlayers`).
 
 Anything else falls back to the generic HF forward. Whether the fast path is used is
 logged at load and can be turned off with ``--fast-decode false``.
@@ -26,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .packed import Linear, Product, pack, plain_product
+from .leanlayers import Layers, product, rms_norm, scripted
+from .packed import Linear, pack
 from .preflight import lean_refusal
 from .taps import Captured, LayerReads, capture
 
@@ -61,11 +64,7 @@ def _fuse(linears: list[nn.Linear]) -> torch.Tensor:
     return fused
 
 
-def _rms(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = hidden.dtype
-    h32 = hidden.to(torch.float32)
-    h32 = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h32.to(dtype)
+_rms = rms_norm  # the lean prefill's name for it
 
 
 @dataclass
@@ -248,7 +247,9 @@ class LlamaDecoder:
     their check (see :mod:`.packed`; ``packing_refusal`` says why not, ``packed_bytes``
     what they take). Rows that start at the same cache column (a request's ``n`` rows,
     requests that joined together with prompts of one length) attend in one SDPA call
-    where :func:`grouping_refusal` finds that exact (``grouping_refusal`` says why not)."""
+    where :func:`grouping_refusal` finds that exact (``grouping_refusal`` says why not).
+    The layers run through TorchScript where :func:`.leanlayers.scripted` finds that
+    exact (``scripting_refusal`` says why not)."""
 
     def __init__(self, model: Any, packing: str | None = "not asked for") -> None:
         reason = unsupported_reason(model)
@@ -291,21 +292,27 @@ class LlamaDecoder:
         self.grouping_refusal = grouping_refusal(self.embed.dtype, self.embed.device, self.n_heads, self.n_kv, self.head_dim, self.scaling)
 
     def _resolve_products(self) -> None:
-        """Each layer's products (q/k/v, output, gate/up, down) and the head's, resolved once
-        for this decoder's own weight tensors."""
-        product = self._packed.product if self._packed is not None else plain_product
-        self._products: list[tuple[Product, Product, Product, Product]] = [
-            (product(layer.w_qkv), product(layer.w_o), product(layer.w_gate_up), product(layer.w_down)) for layer in self.layers
-        ]
-        self._head = product(self.lm_head)
+        """The layers' weights as :func:`.leanlayers.run_layers` takes them — the blocked
+        copies where every product has one, else the weights themselves — and the layer
+        function to run them with."""
+        blocked = self._packed.blocked if self._packed is not None else (lambda weight: None)
+        products = [w for layer in self.layers for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down)] + [self.lm_head]
+        copies = [blocked(w) for w in products]
+        self._blocked = all(c is not None for c in copies)
+        use = [c for c in copies if c is not None] if self._blocked else products
+        self._weights = [[layer.w_in, use[4 * i], use[4 * i + 1], layer.w_post, use[4 * i + 2], use[4 * i + 3]] for i, layer in enumerate(self.layers)]
+        self._head_weight = use[-1]
+        self._shape = [self.n_heads, self.n_kv, self.head_dim, self.inter]
+        self._layers: Layers
+        self._layers, self.scripting_refusal = scripted(self._weights, self._blocked, self._shape, self.eps, self.scaling)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LlamaDecoder:
-        # Functions are copied as themselves: the copy's products are resolved again, for its
-        # own (copied) weights, which have no blocked copies (F.linear).
+        # The copy's products are resolved again, for its own (copied) weights, which have no
+        # blocked copies (F.linear).
         twin = LlamaDecoder.__new__(LlamaDecoder)
         memo[id(self)] = twin
         for name, value in self.__dict__.items():
-            if name not in ("_products", "_head"):
+            if name not in ("_weights", "_head_weight", "_layers"):
                 setattr(twin, name, copy.deepcopy(value, memo))
         twin._resolve_products()
         twin.packed_bytes = 0 if twin._packed is not None else twin.packed_bytes
@@ -332,7 +339,6 @@ class LlamaDecoder:
         ``starts[r]``, when given, is row r's first real cache column: each row then
         attends over exactly its own columns, with no mask (the row computes as alone;
         consecutive rows with one start share a call where that is exact)."""
-        rows = tokens.shape[0]
         # The residual stream is 2-D ([rows, d_model]) throughout: the products take it as
         # it is, and q, k and v are views of the fused projection (no reshapes per call).
         hidden = F.embedding(tokens, self.embed)
@@ -340,41 +346,27 @@ class LlamaDecoder:
         # HF's x * cos + rotate_half(x) * sin, in fewer operations and for q and k at once:
         # rotate_half(x) is x rolled by half a head with its first half negated, and
         # (-a) * b rounds exactly as a * (-b), so the sign moves onto sin (bit for bit).
-        n_heads, n_kv, head_dim, eps, inter = self.n_heads, self.n_kv, self.head_dim, self.eps, self.inter
-        half = head_dim // 2
+        half = self.head_dim // 2
         cos, sin = cos[:, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]
         cache.reserve(1)
         t = cache.length
         attn_mask = mask[:, None, None, : t + 1] if mask is not None else None
         groups = column_groups(starts, self.grouping_refusal is None) if starts is not None else []
-        k_end = self.q_size + self.kv_size
-        gqa = n_kv != n_heads
-        for i, (layer, (qkv_of, out_of, gate_up_of, down_of)) in enumerate(zip(self.layers, self._products, strict=True)):
-            qkv = qkv_of(_rms(hidden, layer.w_in, eps))
-            qk = qkv[:, :k_end].view(rows, n_heads + n_kv, 1, head_dim)
-            qk = qk * cos + qk.roll(half, -1) * sin
-            q, k = qk[:, :n_heads], qk[:, n_heads:]
-            v = qkv[:, k_end:].view(rows, n_kv, 1, head_dim)
-            keys, values = cache.keys[i], cache.values[i]
-            keys[:, :, t : t + 1] = k
-            values[:, :, t : t + 1] = v
-            if starts is None:
-                attn = F.scaled_dot_product_attention(
-                    q, keys[:, :, : t + 1], values[:, :, : t + 1], attn_mask=attn_mask, scale=self.scaling, enable_gqa=gqa
-                )
-            else:  # each row over exactly its own columns, as it would run alone
-                parts = [
-                    F.scaled_dot_product_attention(q[a:b], keys[a:b, :, s : t + 1], values[a:b, :, s : t + 1], scale=self.scaling, enable_gqa=gqa)
-                    for a, b, s in groups
-                ]
-                attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-            hidden = hidden + out_of(attn.reshape(rows, self.q_size))
-            gate_up = gate_up_of(_rms(hidden, layer.w_post, eps))
-            hidden = hidden + down_of(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+        # Steering deltas and taps act between layers, in Python: the layers run in stretches.
+        n_layers = len(self.layers)
+        stops = sorted({i for i in (*(reads or ()), *(deltas or ())) if i < n_layers})
+        first = 0
+        for end in (*(i + 1 for i in stops), n_layers):
+            if end == first:  # the last layer was a stop
+                continue
+            hidden = self._layers(
+                hidden, cos, sin, cache.keys, cache.values, self._weights, self._blocked, first, end, t, groups, attn_mask, self._shape, self.eps, self.scaling
+            )
+            i, first = end - 1, end
             if reads is not None and i in reads:
                 assert captured is not None
                 hidden = capture(i, reads, hidden[:, None], deltas.get(i) if deltas else None, captured)[:, 0]
             elif deltas is not None and i in deltas:
                 hidden = hidden + deltas[i]
         cache.length = t + 1
-        return self._head(_rms(hidden, self.norm, eps))
+        return product(rms_norm(hidden, self.norm, self.eps), self._head_weight, self._blocked)

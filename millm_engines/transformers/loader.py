@@ -121,6 +121,7 @@ def load_engine(location: ModelLocation, settings: Settings) -> TransformersEngi
         packed_weights_mb=round(fast.packed_bytes / 2**20, 1) if fast is not None else 0,
         packed_weights_refusal=fast.packing_refusal if fast is not None else reason,
         rows_grouping_refusal=fast.grouping_refusal if fast is not None else reason,
+        scripted_layers_refusal=fast.scripting_refusal if fast is not None else reason,
         prefill_rows_block=engine.lean.block if engine.lean is not None else 0,
         prefill_together_refusal=engine.lean_refusal,
         batches_requests=engine.batches_requests,

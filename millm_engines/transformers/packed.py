@@ -31,8 +31,6 @@ import torch
 import torch.nn.functional as F
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# ``x @ weight.T`` for one weight, resolved once (``x`` is 2-D: ``[rows, in]``).
-Product = Callable[[torch.Tensor], torch.Tensor]
 
 # Rows tried by the load-time check: a lone row, small batches, and each side of the sizes
 # where oneDNN's kernels change their blocking (AMX tiles hold 16 rows; plain bf16 F.linear
@@ -96,24 +94,16 @@ class PackedWeights:
         entry = self._packed.get(id(weight))
         return F.linear(x, weight) if entry is None or entry[0] is not weight else _apply(x, entry[1])
 
-    def product(self, weight: torch.Tensor) -> Product:
-        """:meth:`linear` by ``weight`` for 2-D inputs, with the lookup done now: the
-        decode step calls its products from a list built at load."""
+    def blocked(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """``weight``'s blocked copy (None where it has none: a view or a copy of the
+        tensor that was packed has none)."""
         entry = self._packed.get(id(weight))
-        if entry is None or entry[0] is not weight:
-            return plain_product(weight)
-        blocked, op = entry[1], torch.ops.mkldnn._linear_pointwise
-        return lambda x: op(x, blocked, None, "none", [], "")
+        return entry[1] if entry is not None and entry[0] is weight else None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PackedWeights:
         # oneDNN's blocked tensors cannot be copied; they are never written, so a copy may
         # share them (a deep-copied decoder's own weights are other objects: F.linear).
         return self
-
-
-def plain_product(weight: torch.Tensor) -> Product:
-    """``F.linear`` by ``weight``, as a :data:`Product`."""
-    return lambda x: F.linear(x, weight)
 
 
 def pack(weights: Sequence[torch.Tensor]) -> tuple[PackedWeights | None, str | None]:

@@ -11,7 +11,9 @@ from transformers import DynamicCache
 
 from millm_core.config import load_settings
 from millm_core.engine import ModelLocation, RowSpec, SamplingParams
+from millm_engines.transformers import leanlayers
 from millm_engines.transformers.fastpath import KVCache, LlamaDecoder, column_groups, grouping_refusal, unsupported_reason
+from millm_engines.transformers.leanlayers import run_layers, scripted
 from millm_engines.transformers.loader import load_engine
 from millm_engines.transformers.settings import FAST_DECODE
 
@@ -190,3 +192,33 @@ def test_rows_sharing_a_start_column_compute_as_with_a_call_per_row(tiny_engine,
     fast.grouping_refusal = "a call per row, for comparison"
     per_row = _rows_logits(model, fast, prompts)
     assert all(torch.equal(a, b) for a, b in zip(grouped, per_row, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_layers_run_through_torchscript_with_the_python_functions_numbers(tiny_engine, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """The step hands its layers to TorchScript's interpreter (the load-time check passes
+    here), and every logit is the Python function's, rows of three lengths together."""
+    model = copy.deepcopy(tiny_engine.model).to(dtype)
+    fast = LlamaDecoder(model)
+    assert fast.scripting_refusal is None
+    assert fast._layers is not run_layers
+    prompts = [tiny_engine.encode(t, add_special_tokens=True) for t in ("for key in", "import json", "def main(argv):")]
+    assert len({len(p) for p in prompts}) == 3
+    compiled = _rows_logits(model, fast, prompts)
+    fast._layers = run_layers
+    python = _rows_logits(model, fast, prompts)
+    assert all(torch.equal(a, b) for a, b in zip(compiled, python, strict=True))
+
+
+def test_the_scripting_check_keeps_python_where_the_compiled_layers_differ(tiny_engine, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    fast = LlamaDecoder(copy.deepcopy(tiny_engine.model))
+    args = (fast._weights, fast._blocked, fast._shape, fast.eps, fast.scaling)
+
+    def off_by_a_little(*layer_args: Any) -> torch.Tensor:
+        return run_layers(*layer_args) + 1e-6
+
+    monkeypatch.setattr(leanlayers, "_compiled", lambda: (off_by_a_little, None))
+    chosen, reason = scripted(*args)
+    assert chosen is run_layers and "differ from the Python function" in str(reason)
+    monkeypatch.setattr(leanlayers, "_compiled", lambda: (None, "TorchScript could not compile the layers: test"))
+    assert scripted(*args) == (run_layers, "TorchScript could not compile the layers: test")

@@ -29,10 +29,10 @@ def run(engine, rows: list[RowSpec], steps: int = 16) -> list[list[int]]:  # typ
     return out
 
 
-def hf_steered_greedy(engine, prompt: list[int], vector: tuple[float, ...], steps: int = 16) -> list[int]:  # type: ignore[no-untyped-def]
+def hf_steered_greedy(engine, prompt: list[int], vector: tuple[float, ...], steps: int = 16, layer: int = LAYER) -> list[int]:  # type: ignore[no-untyped-def]
     """The reference: HF generate with a forward hook written here, independently."""
     add = torch.tensor(vector, dtype=next(engine.model.parameters()).dtype)
-    handle = engine.model.model.layers[LAYER].register_forward_hook(lambda m, a, out: out + add)
+    handle = engine.model.model.layers[layer].register_forward_hook(lambda m, a, out: out + add)
     try:
         with torch.no_grad():
             out = engine.model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -46,12 +46,17 @@ def engine(request, tiny_dir: str):  # type: ignore[no-untyped-def]
     return load_engine(ModelLocation(path=tiny_dir, served_name="t"), load_settings({"fast_decode": request.param}, environ={}, plugin_settings=[FAST_DECODE]))
 
 
-def test_steered_row_matches_an_independent_hooked_reference(engine) -> None:  # type: ignore[no-untyped-def]
+# The lean step runs its layers in stretches that end at steered layers: a delta on the
+# first layer splits the step, one on the last ends its only stretch.
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_steered_row_matches_an_independent_hooked_reference(engine, where: str) -> None:  # type: ignore[no-untyped-def]
+    layers = len(engine.model.model.layers)
+    layer = {"first": 0, "last": layers - 1}[where]
     prompt = engine.encode("The capital of France is", add_special_tokens=True)
     vector = delta(engine)
-    steered = run(engine, [RowSpec(prompt_ids=tuple(prompt), sampling=GREEDY, deltas={LAYER: vector})])[0]
+    steered = run(engine, [RowSpec(prompt_ids=tuple(prompt), sampling=GREEDY, deltas={layer: vector})])[0]
     plain = run(engine, [RowSpec(prompt_ids=tuple(prompt), sampling=GREEDY)])[0]
-    assert steered == hf_steered_greedy(engine, prompt, vector)
+    assert steered == hf_steered_greedy(engine, prompt, vector, layer=layer)
     assert steered != plain  # the delta is large enough to change the text
 
 
