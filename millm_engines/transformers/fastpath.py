@@ -354,7 +354,7 @@ class LlamaDecoder:
         groups = column_groups(starts, self.grouping_refusal is None) if starts is not None else []
         # Steering deltas and taps act between layers, in Python: the layers run in stretches.
         n_layers = len(self.layers)
-        stops = sorted({i for i in (*(reads or ()), *(deltas or ())) if i < n_layers})
+        stops = sorted({i for i in (*(reads or ()), *(deltas or ())) if 0 <= i < n_layers})
         first = 0
         for end in (*(i + 1 for i in stops), n_layers):
             if end == first:  # the last layer was a stop

@@ -217,8 +217,56 @@ def test_the_scripting_check_keeps_python_where_the_compiled_layers_differ(tiny_
     def off_by_a_little(*layer_args: Any) -> torch.Tensor:
         return run_layers(*layer_args) + 1e-6
 
-    monkeypatch.setattr(leanlayers, "_compiled", lambda: (off_by_a_little, None))
-    chosen, reason = scripted(*args)
-    assert chosen is run_layers and "differ from the Python function" in str(reason)
+    def writes_other_keys(*layer_args: Any) -> torch.Tensor:
+        out = run_layers(*layer_args)
+        layer_args[3][0].mul_(2)  # the keys of the first layer
+        return out
+
+    def mask_path_differs(*layer_args: Any) -> torch.Tensor:
+        out = run_layers(*layer_args)
+        return out + 1e-6 if layer_args[11] is not None else out
+
+    def fails(*layer_args: Any) -> torch.Tensor:
+        raise RuntimeError("no kernel for this")
+
+    for stand_in in (off_by_a_little, writes_other_keys, mask_path_differs):
+        monkeypatch.setattr(leanlayers, "_compiled", lambda stand_in=stand_in: (stand_in, None))
+        chosen, reason = scripted(*args)
+        assert chosen is run_layers and "differ from the Python function" in str(reason), stand_in.__name__
+    monkeypatch.setattr(leanlayers, "_compiled", lambda: (fails, None))
+    assert scripted(*args) == (run_layers, "TorchScript's layers failed their check: RuntimeError: no kernel for this")
     monkeypatch.setattr(leanlayers, "_compiled", lambda: (None, "TorchScript could not compile the layers: test"))
     assert scripted(*args) == (run_layers, "TorchScript could not compile the layers: test")
+
+
+def test_steered_layers_split_the_step_into_stretches_that_each_run_once() -> None:
+    """A 4-layer model steered at layers 1 and 2 runs its layers as [0, 2), [2, 3), [3, 4),
+    each delta added once after its layer: a lone row's logits are, bit for bit, HF's
+    forward with hooks that add the same deltas."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64
+    )
+    model = LlamaForCausalLM(config).eval()
+    fast = LlamaDecoder(model)
+    assert fast.scripting_refusal is None
+    deltas = {layer: torch.randn(1, 64) * 2 for layer in (1, 2)}
+    hooks = [model.model.layers[layer].register_forward_hook(lambda m, a, out, d=d: out + d[0]) for layer, d in deltas.items()]
+    try:
+        ids = torch.tensor([[5, 17, 42, 8, 3]])
+        with torch.inference_mode():
+            hf_cache = DynamicCache(config=model.config)
+            out = model(input_ids=ids, cache=hf_cache, use_cache=True)
+            fast_cache = KVCache.from_hf(hf_cache)
+            token, pos = out.logits[:, -1].argmax(-1), torch.tensor([ids.shape[1]])
+            plain_cache = KVCache.from_hf(hf_cache)
+            for _ in range(4):
+                ref = model(input_ids=token[:, None], position_ids=pos[:, None], cache=hf_cache, use_cache=True).logits[:, -1]
+                assert torch.equal(fast.step(token, pos, fast_cache, None, deltas=deltas), ref)
+                assert not torch.equal(fast.step(token, pos, plain_cache, None), ref)  # the deltas matter
+                token, pos = ref.argmax(-1), pos + 1
+    finally:
+        for hook in hooks:
+            hook.remove()
