@@ -6,8 +6,10 @@ every batch share ``--batch-concurrency`` slots (:mod:`.slots`), oldest batch fi
 that a few lines at a time join the running decode batch beside live requests. Lines run
 in the ``agent`` lane when the lanes plugin is enabled (a line asking for another lane is
 refused): live, interactive requests go first at admission, and a line is never starved.
-A line that finds no model to run on (an unload, a load) waits for one without spending a
-retry, until the batch is cancelled or expires.
+A line that finds no model to run on (its model is not the one loaded, an unload, a load)
+parks its batch: the line stays pending, the batch takes no new line and gives its slots
+back, and it tries again after a pause (spending no retry) until its model serves, the batch
+is cancelled or it expires. So batches for the loaded model never wait behind it.
 
 A line's result is committed with the line marked done (see :mod:`.storage`). At start-up
 every unfinished batch is driven again from what the database says: lines done are not
@@ -47,8 +49,19 @@ RETRY_S = 5.0
 MAX_FAILURES = 5
 """Unexpected failures in a row after which a batch is given up as ``failed``."""
 MODEL_WAIT = frozenset({"model_not_loaded", "model_busy"})
-"""503 codes that mean "no model to run on now" (an unload, a load): the line waits for
-the model, spending no retry, until it is served again, the batch stops or expires."""
+"""503 codes that mean "no model to run on now" (another model loaded, an unload, a load):
+the batch parks (its line stays pending, spending no retry) and tries again after the
+reply's ``Retry-After`` (within :data:`PARK_S`)."""
+PARK_S = (0.5, 5.0)
+"""The least and the most a parked batch waits before it tries its model again."""
+
+
+class Parked:
+    """A line that met no model to run on: it stays pending; ``pause`` is how long its
+    batch waits before it tries again."""
+
+    def __init__(self, pause: float) -> None:
+        self.pause = pause
 THREADS = 4
 """The runner's own worker threads (database calls, validation, file writes), so that a
 long validation or write never holds up the default pool the server's routes use."""
@@ -154,13 +167,15 @@ class Runner:
             if status == "validating":
                 await self._validate(batch_id)
             elif status == "in_progress":
-                expires_at = await self._run(batch_id)
+                expires_at, parked = await self._run(batch_id)
                 if await self.off(self.store.status, batch_id) != "in_progress":
                     continue
                 if time.time() >= expires_at and len(await self.off(self.store.pending, batch_id)):
                     await self._finish(batch_id, "expired")
                 elif batch_id in self._cancelled or self._closed:
                     return  # a cancel is read again from the database; a stop resumes at start-up
+                elif parked is not None:  # holding no slot: another batch may run meanwhile
+                    await self._park(batch_id, parked.pause, expires_at)
                 else:
                     await self.off(self.store.finalizing, batch_id)
             elif status == "finalizing":
@@ -169,6 +184,13 @@ class Runner:
                 await self._finish(batch_id, "cancelled")
             else:
                 return
+
+    async def _park(self, batch_id: str, pause: float, expires_at: int) -> None:
+        """Wait ``pause`` seconds (less when the batch expires first; a cancel or a stop
+        ends the wait within a tenth of a second)."""
+        until = time.monotonic() + min(pause, max(0.0, expires_at - time.time()))
+        while time.monotonic() < until and batch_id not in self._cancelled and not self._closed:
+            await asyncio.sleep(min(0.1, max(0.0, until - time.monotonic())))
 
     # ------------------------------------------------------------------ validating
 
@@ -212,9 +234,10 @@ class Runner:
             body: dict[str, object] = decode_json(os.pread(source.fileno(), line.length, line.offset))["body"]
         return body
 
-    async def _run(self, batch_id: str) -> int:
-        """Run the batch's pending lines until none is left, it is cancelled or it
-        expires; returns its expiry time."""
+    async def _run(self, batch_id: str) -> tuple[int, Parked | None]:
+        """Run the batch's pending lines until none is left, it is cancelled, it expires or
+        a line meets no model to run on; returns its expiry time and, in the last case,
+        the pause before it tries again."""
         batch = await self.off(self.store.get_batch, batch_id)
         assert batch is not None and batch.expires_at is not None
         expires_at = batch.expires_at
@@ -225,15 +248,19 @@ class Runner:
         await self._until_model(stopping)
         pending = await self.off(self.store.pending, batch_id)
         if not pending or stopping():
-            return expires_at
+            return expires_at, None
         endpoint = ENDPOINTS[batch.endpoint]
         lane = endpoint != "embeddings" and declares(self.app, endpoint, "class")
         path = self.disk.file(batch.input_file_id)
+        parked: list[Parked] = []
 
         async def run_line(line: Pending) -> None:
             body = await self.off(self._read, path, line)
-            result = await self._line(endpoint, body, line.custom_id, lane, stopping)
-            if result is not None:
+            result = await self._line(endpoint, body, line.custom_id, lane)
+            if isinstance(result, Parked):  # no model for it now: the batch gives its slots back
+                parked.append(result)
+                job.exhausted = True
+            else:
                 await self.off(self.store.record, batch_id, line.number, result.ok, result.line, result.usage)
 
         job = Job(
@@ -251,7 +278,7 @@ class Runner:
             log.warning("batch_input_gone", batch_id=batch_id, file_id=batch.input_file_id)
         elif job.error is not None:
             raise job.error
-        return expires_at
+        return expires_at, max(parked, key=lambda p: p.pause) if parked else None
 
     @staticmethod
     def _lane_refusal(body: dict[str, object], custom_id: str) -> Result | None:
@@ -286,9 +313,9 @@ class Runner:
         return min(most, max(least, asked))
 
     async def _line(
-        self, endpoint: Endpoint, body: dict[str, object], custom_id: str, lane: bool, stopping: Callable[[], bool]
-    ) -> Result | None:
-        """Run one line; None when the batch stopped while the line waited for a model (it
+        self, endpoint: Endpoint, body: dict[str, object], custom_id: str, lane: bool
+    ) -> Result | Parked:
+        """Run one line: its result, or :class:`Parked` when no model can run it now (it
         stays pending)."""
         if body.get("stream") is True:
             refusal = error_body("a batch line cannot stream: send stream false or leave it out", "invalid_parameter", "stream")
@@ -308,10 +335,7 @@ class Runner:
             if reply.status != 503:
                 break
             if self._code(reply) in MODEL_WAIT:
-                if stopping():
-                    return None
-                await asyncio.sleep(self._pause(reply, 0.5, 5.0))
-                continue
+                return Parked(self._pause(reply, *PARK_S))
             if attempt == RETRIES_503:
                 break
             attempt += 1

@@ -165,6 +165,32 @@ def test_a_batch_never_evicts_the_model_live_traffic_uses(tiny_dir: str, tmp_pat
     assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 1
 
 
+def test_a_batch_waiting_for_another_model_leaves_the_slots_to_batches_for_the_loaded_one(tiny_dir: str, tmp_path: pathlib.Path) -> None:
+    """With one slot: an older batch whose model is not loaded parks (it holds no slot), so
+    a newer batch for the loaded model runs to its end meanwhile; the parked one runs once
+    its model is loaded, every line once."""
+    (tmp_path / "roots").mkdir()
+    os.symlink(tiny_dir, tmp_path / "roots" / "tiny-b")
+    with roots_server(tiny_dir, tmp_path, batch_concurrency=1) as srv:
+        assert api(srv, "/api/models/tiny/load").status_code == 200
+        client = sdk(srv.base_url)
+        other = {"model": "tiny-b", "prompt": "Item:", "max_tokens": 2, "temperature": 0}
+        parked = submit(client, jsonl([line(f"b{i}", other, COMPLETIONS) for i in range(3)]), endpoint=COMPLETIONS)
+        wait(client, parked.id, until={"in_progress"})
+        time.sleep(1.0)  # its first line met 503 model_busy
+        loaded = {"model": "tiny", "prompt": "Item:", "max_tokens": 2, "temperature": 0}
+        served = wait(client, submit(client, jsonl([line(f"a{i}", loaded, COMPLETIONS) for i in range(2)]), endpoint=COMPLETIONS).id, timeout=60)
+        assert served.status == "completed" and served.request_counts is not None and served.request_counts.completed == 2
+        waiting = client.batches.retrieve(parked.id)
+        assert waiting.status == "in_progress" and waiting.request_counts is not None
+        assert (waiting.request_counts.completed, waiting.request_counts.failed) == (0, 0)
+        assert api(srv, "/api/models/tiny-b/load").status_code == 200
+        done = wait(client, parked.id, timeout=60)
+        assert done.status == "completed" and done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (3, 0)
+        assert sorted(r["custom_id"] for r in read_lines(client, done.output_file_id)) == ["b0", "b1", "b2"]
+
+
 def test_a_batch_whose_input_file_is_gone_fails(tiny_dir: str, tmp_path: pathlib.Path) -> None:
     folder = tmp_path / "data"
     with roots_server(tiny_dir, tmp_path, batch_data_dir=str(folder), auto_load=False) as srv:
