@@ -79,6 +79,17 @@ class ForwardPlan:
     # Where this request's rows are read back (engines with Capability.TAPS): a plugin
     # adds a Tap and reads the vectors in its processors' ``on_residuals``.
     taps: set[Tap] = field(default_factory=set)
+    # Work the request waits for before its rows join a batch (see ``add_wait``).
+    waits: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    def add_wait(self, wait: Callable[[], Awaitable[None]]) -> None:
+        """Have the request await ``wait()`` on the event loop after pre-forward and before
+        its rows are submitted, in the order added: for work a row needs that is built off
+        the event loop and the model thread (a constraint's automaton on a thread of the
+        plugin's own), so that neither waits for it. A
+        :class:`~millm_core.errors.MillmError` it raises refuses the request; it must
+        bound its own wait."""
+        self.waits.append(wait)
 
     def add_processor(self, factory: ProcessorFactory, *, first: bool = False) -> None:
         """Register a per-row processor factory; processors run in registration order.

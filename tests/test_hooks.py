@@ -142,3 +142,52 @@ def test_closing_chunks_follow_their_order_and_an_interrupted_stream_is_finalize
         cancelled, reasons = plugin.seen[-1]
         assert cancelled is True and reasons == ("cancelled",), plugin.seen
 
+
+
+class WaitingPlugin:
+    """A pre-forward that adds a wait: it records when it ran, and refuses the request when
+    the prompt asks for it."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+
+    @hookimpl
+    def millm_pre_forward(self, ctx: Any, request: Any, plan: Any) -> None:
+        import asyncio
+
+        from millm_core.api import InvalidRequest
+
+        from .http.helpers import PassThrough
+
+        refuse = "refuse" in str(getattr(request, "prompt", ""))
+
+        async def first() -> None:
+            await asyncio.sleep(0.05)
+            self.order.append("first")
+
+        async def second() -> None:
+            self.order.append("second")
+            if refuse:
+                raise InvalidRequest("the wait says no", param="prompt")
+
+        plan.add_wait(first)
+        plan.add_wait(second)
+        plan.add_processor(lambda row: self.order.append("row") or PassThrough())
+
+
+def test_a_pre_forward_wait_runs_before_the_rows_and_can_refuse(make_server) -> None:  # type: ignore[no-untyped-def]
+    """``plan.add_wait``: the waits run in order, before any row is made; one that raises
+    refuses the request with its error, on a stream too (nothing was sent yet)."""
+    plugin = WaitingPlugin()
+    host = build_host(load_settings(environ={}))
+    host.register(plugin, "waiting")
+    with make_server(host=host) as srv:
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+        assert httpx.post(srv.base_url + "/v1/completions", json=body, timeout=60).status_code == 200
+        assert plugin.order == ["first", "second", "row"]
+        plugin.order.clear()
+        for stream in (False, True):
+            resp = httpx.post(srv.base_url + "/v1/completions", json={**body, "prompt": "refuse", "stream": stream}, timeout=60)
+            assert resp.status_code == 400, resp.text
+            assert resp.json()["error"]["message"] == "the wait says no" and resp.json()["error"]["param"] == "prompt"
+        assert plugin.order == ["first", "second"] * 2  # no row was made

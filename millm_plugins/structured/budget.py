@@ -1,10 +1,10 @@
 """What a schema may ask of the constraint's automata before any row runs.
 
-A ``pattern`` (and the pythonic call pattern) becomes a finite automaton when a row's
-parser is built, on the model thread, between decode steps: its size grows with the
-pattern's repeat counts (``[a-z]{0,20000}`` takes minutes), and every row in the batch
-would wait. Repeat counts are therefore bounded at validation, where a request is still
-cheap to refuse.
+A ``pattern`` (and the pythonic call pattern) becomes a finite automaton whose size grows
+with the pattern's repeat counts (``[a-z]{0,20000}`` takes minutes to build). It is built
+off the model thread (:mod:`.automata`), but a build still costs a thread and interpreter
+time while the request waits for it; repeat counts are therefore bounded at validation,
+where a request is still cheap to refuse.
 """
 
 from __future__ import annotations

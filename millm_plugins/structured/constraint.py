@@ -34,6 +34,7 @@ which would silently refuse valid documents).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -81,17 +82,18 @@ def parser_config() -> CharacterLevelParserConfig:
     )
 
 
-def _json_parser(lowered: dict[str, Any], config: CharacterLevelParserConfig) -> JsonSchemaParser:
+def _json_parser(lowered: dict[str, Any], config: CharacterLevelParserConfig, automata: Mapping[str, Any]) -> JsonSchemaParser:
     context = JsonSchemaParser._Context()
     context.model_class = JsonSchemaObject(**lowered)
     context.alphabet_without_quotes = config.alphabet.replace('"', "")
     # The library's regex cache is a class attribute shared by every parser in the
     # process (it grows with every pattern ever seen); this parser gets its own, filled
-    # now so no automaton is compiled inside a decode step.
+    # now so no automaton is compiled inside a decode step. Automata built beforehand (see
+    # :mod:`.automata`) are used as they are.
     context.regex_parser_cache = {}
     for pattern in patterns_in(lowered):
         try:
-            context.regex_parser_cache[pattern] = RegexParser(pattern, config)
+            context.regex_parser_cache[pattern] = RegexParser(automata.get(pattern, pattern), config)
         except Exception as exc:
             problem = SchemaProblem("", "pattern", f"pattern {pattern!r} cannot be compiled ({exc})")
             raise ResponseFormatUnsupported(
@@ -277,16 +279,18 @@ class _RepairedUnion(UnionParser):
         return _TextChars(allowed) if any(isinstance(r, _TextChars) for r in readings) else allowed
 
 
-def parser_for(schema: dict[str, Any] | None, suffix: str = "") -> CharacterLevelParser:
+def parser_for(schema: dict[str, Any] | None, suffix: str = "", automata: Mapping[str, Any] | None = None) -> CharacterLevelParser:
     """A fresh character-level parser for one row: one JSON document of ``schema``
     (checked by :func:`~.schema.check_schema`; ``None``: any JSON object), then exactly
     ``suffix`` when it is not empty. Parsers hold mutable state shared by their
     successors: build one per row, never share one between rows.
 
-    Raises :class:`~.schema.ResponseFormatUnsupported` for a ``pattern`` whose automaton
-    cannot be built (the check parses patterns; building happens here, once per row)."""
+    ``automata`` holds the patterns' automata built beforehand, by pattern (see
+    :mod:`.automata`); a pattern without one is built here. Raises
+    :class:`~.schema.ResponseFormatUnsupported` for a ``pattern`` whose automaton cannot
+    be built."""
     config = parser_config()
-    parser: CharacterLevelParser = _Repaired(_json_parser(lower(schema), config))
+    parser: CharacterLevelParser = _Repaired(_json_parser(lower(schema), config, automata or {}))
     if suffix:
         parser = SequenceParser([parser, StringParser(suffix)])
     return parser

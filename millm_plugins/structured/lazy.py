@@ -6,7 +6,7 @@ runs, so that importing the plugin stays light.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -35,14 +35,17 @@ class LazyConstraint:
         self._schema = schema
 
     @classmethod
-    def json(cls, vocab: Future[VocabData], schema: dict[str, Any] | None, suffix: str = "") -> LazyConstraint:
+    def json(
+        cls, vocab: Future[VocabData], schema: dict[str, Any] | None, suffix: str = "", automata: Mapping[str, Any] | None = None
+    ) -> LazyConstraint:
         """One JSON document of ``schema`` (None: any object), then ``suffix``; without a
-        suffix the row's text is that document, validated when the row ends."""
+        suffix the row's text is that document, validated when the row ends. ``automata``:
+        the schema's pattern automata, built beforehand (see :mod:`.automata`)."""
 
         def make() -> Any:
             from .constraint import parser_for
 
-            return parser_for(schema, suffix)
+            return parser_for(schema, suffix, automata)
 
         return cls(vocab, make, validates=not suffix, schema=schema)
 

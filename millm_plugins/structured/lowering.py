@@ -210,3 +210,9 @@ def patterns_in(node: Any) -> set[str]:
         elif isinstance(current, list):
             stack.extend(current)
     return found
+
+
+def schema_patterns(schema: dict[str, Any] | None) -> set[str]:
+    """Every ``pattern`` the rows of ``schema`` (checked) are constrained by, as the
+    constraint's parser asks for them."""
+    return patterns_in(lower(schema))

@@ -26,10 +26,12 @@ from millm_core.api import (
     hookimpl,
 )
 
+from .automata import AUTOMATA, automata
 from .budget import schema_pattern_problems
 from .cache import ready_vocab, shutdown, vocab_for
 from .formats import JsonObjectFormat, JsonSchemaFormat, ResponseFormat, TextFormat, constrained_header
 from .lazy import LazyConstraint
+from .lowering import schema_patterns
 from .schema import ResponseFormatUnsupported, check_schema
 
 NAME = "structured"
@@ -100,9 +102,13 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
     schema = fmt.json_schema.schema if isinstance(fmt, JsonSchemaFormat) else None
     vocab = ready_vocab(ctx.app, ctx.model)
     ctx.set_header(HEADER, constrained_header(fmt))
+    built: dict[str, Any] = {}  # the schema's pattern automata, filled before the rows run
+    patterns = schema_patterns(schema)
+    if patterns:
+        plan.add_wait(automata(ctx.app).wait(patterns, built, SCHEMA_PARAM))
 
     def constrain(_row: RowInfo) -> LazyConstraint:
-        return LazyConstraint.json(vocab, schema)
+        return LazyConstraint.json(vocab, schema, automata=built)
 
     plan.add_processor(constrain)
 
@@ -110,3 +116,5 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
 @hookimpl
 def millm_shutdown(app: AppContext) -> None:
     shutdown(app)
+    if AUTOMATA in app.stash:
+        app.stash[AUTOMATA].shutdown()

@@ -34,9 +34,11 @@ from millm_core.api import (
     TokenProcessor,
     hookimpl,
 )
+from millm_plugins.structured.automata import automata
 from millm_plugins.structured.budget import pattern_problem, schema_pattern_problems
 from millm_plugins.structured.cache import ready_vocab, vocab_for
 from millm_plugins.structured.lazy import LazyConstraint
+from millm_plugins.structured.lowering import schema_patterns
 from millm_plugins.structured.plugin import constraint_of
 from millm_plugins.structured.schema import MAX_BYTES, MAX_DEPTH, ResponseFormatUnsupported, check_schema, check_validator
 
@@ -328,10 +330,14 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
         vocab = ready_vocab(ctx.app, ctx.model)
         forced = calling.forced
         ctx.set_header(CONSTRAINED_HEADER, "tool_arguments")
+        built: dict[str, Any] = {}  # the arguments' pattern automata, filled before the rows run
+        patterns = {forced.pattern} if forced.pattern is not None else schema_patterns(forced.schema)
+        if patterns:
+            plan.add_wait(automata(ctx.app).wait(patterns, built, "tools"))
 
         def arguments(_row: RowInfo) -> TokenProcessor:
             if forced.pattern is not None:
-                return LazyConstraint(vocab, lambda: pattern_parser(forced.pattern or "", forced.suffix))
-            return LazyConstraint.json(vocab, forced.schema, forced.suffix)
+                return LazyConstraint(vocab, lambda: pattern_parser(forced.pattern or "", forced.suffix, built.get(forced.pattern or "")))
+            return LazyConstraint.json(vocab, forced.schema, forced.suffix, automata=built)
 
         plan.add_processor(arguments)

@@ -51,6 +51,35 @@ def json_frames(raw: bytes) -> list[dict[str, Any]]:
     return [json.loads(f) for f in frames[:-1]]
 
 
+class PassThrough:
+    """A token processor that changes nothing (subclass it to record or add what a test needs)."""
+
+    def logit_bias(self) -> None:
+        return None
+
+    def on_token(self, token_id: int, text: str) -> tuple[str, bool]:
+        return text, False
+
+    def flush(self) -> str:
+        return ""
+
+
+def automaton_builds(monkeypatch: Any) -> list[str]:
+    """The names of the threads that build regex automata from now on (lm-format-enforcer
+    builds through ``interegular``'s ``Pattern.to_fsm``; validation only parses)."""
+    from interegular.patterns import Pattern
+
+    real = Pattern.to_fsm
+    threads: list[str] = []
+
+    def spy(self: Pattern, *args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Pattern, "to_fsm", spy)
+    return threads
+
+
 class _Boom:
     def __init__(self, after: int) -> None:
         self.left = after

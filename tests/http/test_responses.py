@@ -24,7 +24,7 @@ from millm_core.config import load_settings
 from millm_core.server.app import build_host
 from millm_plugins.responses.routes import STATE
 
-from .helpers import FaultPlugin, FinalizeRecorder, GatePlugin, chat_ids, scheduler_stats, sdk_validate, wait_until
+from .helpers import FaultPlugin, FinalizeRecorder, GatePlugin, PassThrough, chat_ids, scheduler_stats, sdk_validate, wait_until
 
 QUESTION = "Tell me about the sea"
 
@@ -226,16 +226,7 @@ class _Marker:
         plan.add_processor(lambda _row: _ChoiceKey())
 
 
-class _ChoiceKey:
-    def logit_bias(self) -> None:
-        return None
-
-    def on_token(self, token_id: int, text: str) -> tuple[str, bool]:
-        return text, False
-
-    def flush(self) -> str:
-        return ""
-
+class _ChoiceKey(PassThrough):
     def end(self, finish_reason: str) -> RowEnd:
         return RowEnd(choice={"marker_choice": finish_reason})
 

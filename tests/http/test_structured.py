@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 from typing import Any
 
 import httpx
@@ -20,7 +21,7 @@ import pytest
 
 from millm_core.testing import RunningServer
 
-from .helpers import scheduler_stats, sse_frames
+from .helpers import automaton_builds, scheduler_stats, sse_frames
 
 BOUNDED = {
     "type": "object",
@@ -218,3 +219,46 @@ def test_a_document_outside_a_numeric_range_is_never_a_stop(server: RunningServe
             assert frames[-1]["error"]["code"] == "constrained_output_invalid"
             assert not any(f.get("choices") and f["choices"][0].get("finish_reason") == "stop" for f in frames)
     assert "invalid" in outcomes  # the random model did leave the range: the check ran
+
+
+def _pattern_format(pattern: str) -> dict[str, Any]:
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": pattern}}}
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+# Eleven characters spelled out after ".*": within the repeat-count budget (it reads counts),
+# yet its automaton takes about 2 s to build here (twelve: 8 s).
+SLOW = ".*a...........b"
+
+
+def test_a_slow_automaton_is_built_off_the_model_thread_and_serves_once_built(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request waits for its pattern's automaton, built on a thread of its own, for at
+    most ``BUILD_WAIT_S``, then is refused; the build goes on without holding up the model
+    thread (a request without a pattern is served meanwhile), and once it is done the
+    pattern is served from it."""
+    from millm_plugins.structured import automata
+
+    monkeypatch.setattr(automata, "BUILD_WAIT_S", 0.3)
+    refused = _chat(server, response_format=_pattern_format(SLOW), max_tokens=2)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "response_format_unsupported" and "takes more than 0.3 s to build" in error["message"]
+    assert error["param"] == "response_format.json_schema.schema"
+    assert _chat(server, max_tokens=4).status_code == 200  # the model thread is free
+    still = _chat(server, response_format=_pattern_format(SLOW), max_tokens=2)
+    assert still.status_code == 400, still.text  # still building: the request above did not wait for it
+    deadline = time.monotonic() + 120
+    while (served := _chat(server, response_format=_pattern_format(SLOW), max_tokens=2)).status_code != 200:
+        assert served.status_code == 400 and time.monotonic() < deadline, served.text
+        time.sleep(0.5)
+    assert served.json()["choices"][0]["message"]["content"].lstrip().startswith("{")
+
+
+def test_no_automaton_is_built_on_the_model_thread(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every automaton a constrained request needs is built on the automata thread, before
+    its rows join a batch (lm-format-enforcer builds through ``interegular``'s
+    ``Pattern.to_fsm``; validation only parses the pattern)."""
+    threads = automaton_builds(monkeypatch)
+    resp = _chat(server, response_format=_pattern_format("[a-z]{2}-[0-9]{3}-spy"), max_tokens=12)
+    assert resp.status_code == 200, resp.text
+    assert threads and all(name.startswith("millm-constraint-automata") for name in threads), threads

@@ -20,6 +20,8 @@ import pytest
 
 from millm_core.testing import RunningServer
 
+from .helpers import automaton_builds
+
 WEATHER = {
     "type": "function",
     "function": {
@@ -281,3 +283,17 @@ def test_gguf_serves_forced_calls_and_tool_history(gguf_tools_server: RunningSer
     follow = _chat(gguf_tools_server, model="tiny-gguf", messages=history, tools=TOOLS, max_tokens=4)
     assert follow.status_code == 200 and follow.headers["x-millm-ignored-fields"] == '"messages[2].tool_call_id"'
     assert follow.json()["usage"]["prompt_tokens"] > resp.json()["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("model", ["tiny-hermes", "tiny-lfm2"])
+def test_a_forced_calls_automaton_is_built_off_the_model_thread(tools_server: RunningServer, model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forced call's argument automata (a JSON schema's ``pattern``; a pythonic call's
+    whole pattern) are built on the automata thread before its rows run, never on the model
+    thread (lm-format-enforcer builds through ``interegular``'s ``Pattern.to_fsm``)."""
+    threads = automaton_builds(monkeypatch)
+    code = {"type": "string", "pattern": "[a-z]{2}[0-9]{2}"} if model == "tiny-hermes" else {"enum": [f"{model}-a", f"{model}-b"]}
+    lookup = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"code": code}, "required": ["code"]}}}
+    resp = _chat(tools_server, model=model, tools=[lookup], tool_choice={"type": "function", "function": {"name": "lookup"}})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-millm-constrained"] == "tool_arguments"
+    assert threads and all(name.startswith("millm-constraint-automata") for name in threads), threads

@@ -654,8 +654,8 @@ def test_pythonic_forced_arguments_follow_the_schema() -> None:
 
 
 def test_a_forced_pythonic_call_past_the_pattern_budget_is_left_unconstrained() -> None:
-    """A forced pythonic call is constrained by one regular expression built on the model
-    thread: a string argument costs ~770 automaton states, so four (1.4 s to build) are over
+    """A forced pythonic call is constrained by one regular expression whose automaton is
+    built before its rows run: a string argument costs ~770 automaton states, so four (1.4 s to build) are over
     the budget and the call goes unconstrained; a length range no string fits has no
     pattern; parameters that are no valid schema never constrain (the finished call could
     not be checked against them)."""

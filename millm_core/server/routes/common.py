@@ -170,6 +170,8 @@ async def respond_to(
         if isinstance(execution, Generate) and endpoint != "embeddings":
             prepared = prepare_generation(state, ctx, body, model)
             try:
+                for wait in prepared.plan.waits:  # built off the event loop and the model thread
+                    await wait()
                 _report_unused(ctx, reported, rename, unreported)  # after every place that can report a field
                 shapes = CHAT_SHAPES if endpoint == "chat.completions" else COMPLETION_SHAPES
                 if ctx.stream:
