@@ -13,7 +13,7 @@ The groups, in the order a plugin meets them:
   ``ModelLocation``;
 - the contexts hooks receive: ``AppContext``, ``RequestContext``, ``StashKey``;
 - what request hooks exchange: ``Problem``, ``Generate``, ``Compute``, ``Reply``,
-  ``ForwardPlan``, ``RowInfo``, ``TokenProcessor``, ``Outcome``, ``ChoiceResult``,
+  ``ForwardPlan``, ``RowInfo``, ``TokenProcessor`` (and ``PassThrough``), ``Outcome``, ``ChoiceResult``,
   ``Finalization``, ``RowOwner``;
 - the engine contract: ``Engine``, ``Batch``, ``Joinable``, ``EagerJoin``, ``JoinTogether``, ``Embedder``,
   ``Scorer``, ``ResidualReader``, ``Tapping``, ``Rewinding``, ``PrefixReusing``, ``Tap``, ``Readout``,
@@ -64,6 +64,7 @@ from .engine import (
     ModelInfo,
     ModelLocation,
     ModelSource,
+    PassThrough,
     PrefixReusing,
     Readout,
     ResidualListener,
@@ -219,6 +220,7 @@ __all__ = [
     "Rewinding",
     "PrefixReusing",
     "TokenProcessor",
+    "PassThrough",
     "TokenMask",
     "UnsupportedQuantization",
     "RowEnd",

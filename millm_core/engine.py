@@ -156,6 +156,21 @@ class TokenProcessor(Protocol):
     def flush(self) -> str: ...
 
 
+class PassThrough:
+    """A :class:`TokenProcessor` that changes nothing: subclass it and override what the
+    processor needs (``end``, ``on_residuals``, ...), or use it where a factory must
+    return a processor and there is nothing to do for this row."""
+
+    def logit_bias(self) -> Mapping[int, float] | None:
+        return None
+
+    def on_token(self, token_id: int, text: str) -> tuple[str, bool]:
+        return text, False
+
+    def flush(self) -> str:
+        return ""
+
+
 @runtime_checkable
 class ResidualListener(Protocol):
     """An optional part of the per-token stage: a processor of a row whose

@@ -155,9 +155,7 @@ class WaitingPlugin:
     def millm_pre_forward(self, ctx: Any, request: Any, plan: Any) -> None:
         import asyncio
 
-        from millm_core.api import InvalidRequest
-
-        from .http.helpers import PassThrough
+        from millm_core.api import InvalidRequest, PassThrough
 
         refuse = "refuse" in str(getattr(request, "prompt", ""))
 

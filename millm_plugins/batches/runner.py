@@ -172,8 +172,10 @@ class Runner:
                     continue
                 if time.time() >= expires_at and len(await self.off(self.store.pending, batch_id)):
                     await self._finish(batch_id, "expired")
-                elif batch_id in self._cancelled or self._closed:
-                    return  # a cancel is read again from the database; a stop resumes at start-up
+                elif self._closed:
+                    return  # a stop: the batch resumes at start-up
+                elif batch_id in self._cancelled:
+                    continue  # cancelled after the status was read: read it again (the cancel was committed first)
                 elif parked is not None:  # holding no slot: another batch may run meanwhile
                     await self._park(batch_id, parked.pause, expires_at)
                 else:

@@ -13,7 +13,6 @@ that fails marks its row's results ``error`` instead of failing the request.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +20,7 @@ import msgspec
 import numpy as np
 import structlog
 
-from millm_core.api import Readout, RowInfo, Tap
+from millm_core.api import PassThrough, Readout, RowInfo, Tap
 
 from .book import Armed
 from .detector import Detector, logits, position_logits, stack
@@ -100,10 +99,11 @@ class Running:
         return float(top[column] if how == "max" else last[column])
 
 
-class RowMonitor:
+class RowMonitor(PassThrough):
     """A :class:`~millm_core.api.TokenProcessor` that listens to its row's residual
     vectors and aggregates each group's per-position logits online, per window: a row
-    holds a few floats per group and window, however long it runs."""
+    holds a few floats per group and window, however long it runs. It leaves the row's
+    tokens and text as they are."""
 
     def __init__(self, info: RowInfo, groups: tuple[Group, ...], windows: tuple[dict[str, Span], ...]) -> None:
         self.info = info
@@ -113,15 +113,6 @@ class RowMonitor:
         ]
         self.fed = 0
         self.failed: str | None = None
-
-    def logit_bias(self) -> Mapping[int, float] | None:
-        return None
-
-    def on_token(self, token_id: int, text: str) -> tuple[str, bool]:
-        return text, False
-
-    def flush(self) -> str:
-        return ""
 
     def on_residuals(self, readout: Readout) -> None:
         if self.failed is not None:

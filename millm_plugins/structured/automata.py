@@ -1,15 +1,16 @@
 """The regex automata of constrained rows, built off the event loop and the model thread.
 
 A ``pattern`` (in a schema, or a forced pythonic tool call) is constrained by a finite
-automaton that lm-format-enforcer builds from the pattern (through ``interegular``), in
+automaton that lm-format-enforcer walks; ``interegular`` builds it from the pattern, in
 pure Python. The repeat-count budget (:mod:`.budget`) refuses the patterns whose automata
 are known to be large, but it reads counts only: a repeat spelled out by hand after an
-unbounded one (``.*a........b``) can still take seconds. So no row builds its automaton
-itself: the request's pre-forward asks :class:`Automata` for each pattern's (one build
-per distinct pattern, on a thread of its own, kept for later requests), and waits for
-them before its rows join a batch (``ForwardPlan.add_wait``). A build that takes longer
-than :data:`BUILD_WAIT_S` refuses the request with a 400; it finishes in the background
-and serves the next request that sends the pattern.
+unbounded one (``.*a........b``) can still take seconds, or years. So no row builds its
+automaton itself: the request's pre-forward asks :class:`Automata` for each pattern's (one
+build per distinct pattern, kept for later requests), and waits for them before its rows
+join a batch (``ForwardPlan.add_wait``), at most :data:`BUILD_WAIT_S`. Builds run in a
+child process (:mod:`.fsmbuild`), one at a time, each stopped after
+:data:`BUILD_LIMIT_S`: a pattern whose build was stopped is refused from then on. A request
+that stops waiting leaves its build to finish for the next request that sends the pattern.
 """
 
 from __future__ import annotations
@@ -22,57 +23,74 @@ from typing import Any
 
 import structlog
 
-from millm_core.api import AppContext, StashKey
+from millm_core.api import AppContext, MillmError, StashKey
 
-from .schema import ResponseFormatUnsupported
+from .fsmbuild import Builder
 
 log = structlog.get_logger("millm.structured")
 
 BUILD_WAIT_S = 10.0
 """How long a request waits for its patterns' automata before it is refused."""
+BUILD_LIMIT_S = 10.0
+"""How long one build may take before it is stopped (the pattern is refused from then on)."""
 MAX_KEPT = 256
 """Automata kept for later requests; the least recently asked for is dropped first."""
 
 AUTOMATA = StashKey["Automata"]("structured.automata")
+Refusal = Callable[[str], MillmError]
+"""Makes the error that refuses a request, from the reason (the pattern is named in it)."""
 
 
-def _build(pattern: str) -> Any:
+def _context(fsm: Any) -> Any:
+    """lm-format-enforcer's regex context over a built automaton, as ``RegexParser(pattern,
+    config)`` makes it (the parser's config setter derives the characters the automaton
+    lumps together as "anything else")."""
     from lmformatenforcer import RegexParser  # imported on the build thread, not with the plugin
 
     from .constraint import parser_config
 
-    return RegexParser(pattern, parser_config()).context
+    context = RegexParser._Context()
+    context.pattern = fsm
+    context.state_character_cache = {}
+    RegexParser(context).config = parser_config()
+    return context
 
 
 class Automata:
     """Each pattern's automaton (lm-format-enforcer's ``RegexParser`` context: immutable
     once built apart from a cache of allowed characters per state, so every row may share
-    it), built once on a thread of its own. Asked for on the event loop only."""
+    it), built once, from a thread of its own, in the build process. Asked for on the
+    event loop only."""
 
     def __init__(self) -> None:
-        self._builder = ThreadPoolExecutor(1, thread_name_prefix="millm-constraint-automata")
+        self._builder = Builder()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="millm-constraint-automata")
         self._built: OrderedDict[str, Future[Any]] = OrderedDict()
+
+    def _build(self, pattern: str) -> Any:
+        context = _context(self._builder.build(pattern, BUILD_LIMIT_S))
+        log.info("pattern_automaton_built", pattern=pattern[:200], states=len(context.pattern.states))
+        return context
 
     def future(self, pattern: str) -> Future[Any]:
         """``pattern``'s automaton, building it if nobody asked for it yet (a failed build
         is kept: the pattern fails again at once)."""
         future = self._built.get(pattern)
         if future is None:
-            future = self._builder.submit(_build, pattern)
+            future = self._thread.submit(self._build, pattern)
             self._built[pattern] = future
-            while len(self._built) > MAX_KEPT:
-                oldest = next(iter(self._built))
-                if not self._built[oldest].done():
-                    break  # never drop a build under way (it would be started again)
-                del self._built[oldest]
+            if len(self._built) > MAX_KEPT:  # the least recently asked for that is built (never one under way)
+                oldest = next((key for key, kept in self._built.items() if kept.done()), None)
+                if oldest is not None:
+                    del self._built[oldest]
         else:
             self._built.move_to_end(pattern)
         return future
 
-    def wait(self, patterns: Iterable[str], into: dict[str, Any], param: str) -> Callable[[], Awaitable[None]]:
+    def wait(self, patterns: Iterable[str], into: dict[str, Any], refuse: Refusal) -> Callable[[], Awaitable[None]]:
         """A wait for ``ForwardPlan.add_wait``: every pattern's automaton into ``into``
-        (for the rows' parsers), or :class:`~.schema.ResponseFormatUnsupported` (``param``)
-        for a pattern that cannot be compiled or takes more than :data:`BUILD_WAIT_S` to."""
+        (for the rows' parsers), or ``refuse(reason)`` raised for a pattern that cannot be
+        compiled, whose build was stopped, or that takes more than :data:`BUILD_WAIT_S`."""
         futures = {pattern: self.future(pattern) for pattern in sorted(patterns)}
 
         async def built() -> None:
@@ -80,23 +98,26 @@ class Automata:
             deadline = loop.time() + BUILD_WAIT_S
             for pattern, future in futures.items():
                 try:
+                    if future.done():
+                        into[pattern] = future.result()
+                        continue
                     # shielded: a request that stops waiting leaves the build to finish for the next
                     into[pattern] = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), max(0.0, deadline - loop.time()))
                 except TimeoutError:
                     log.warning("pattern_automaton_slow", pattern=pattern[:200], waited_s=BUILD_WAIT_S)
-                    raise ResponseFormatUnsupported(
+                    raise refuse(
                         f"the automaton for pattern {pattern!r} takes more than {BUILD_WAIT_S:g} s to build; write the pattern with fewer "
-                        "states (a repeat written out character by character after .* or + multiplies them)",
-                        param=param,
+                        "states (a repeat written out character by character after .* or + multiplies them)"
                     ) from None
-                except Exception as exc:  # noqa: BLE001 - the library's parse error, whatever its type
-                    raise ResponseFormatUnsupported(f"pattern {pattern!r} cannot be compiled ({exc})", param=param) from None
+                except Exception as exc:  # noqa: BLE001 - the build's failure, whatever its type
+                    raise refuse(f"pattern {pattern!r} cannot be constrained: {exc}") from None
 
         return built
 
     def shutdown(self) -> None:
-        """Stop the build thread (a build under way is left to finish on its own)."""
-        self._builder.shutdown(wait=False, cancel_futures=True)
+        """Stop the build thread and its process (a build under way is abandoned)."""
+        self._thread.shutdown(wait=False, cancel_futures=True)
+        self._builder.close()
 
 
 def automata(app: AppContext) -> Automata:

@@ -2,9 +2,9 @@
 
 A ``pattern`` (and the pythonic call pattern) becomes a finite automaton whose size grows
 with the pattern's repeat counts (``[a-z]{0,20000}`` takes minutes to build). It is built
-off the model thread (:mod:`.automata`), but a build still costs a thread and interpreter
-time while the request waits for it; repeat counts are therefore bounded at validation,
-where a request is still cheap to refuse.
+off the model thread, in a process of its own (:mod:`.automata`), but a build still costs
+a core and keeps the request (and new patterns after it) waiting; repeat counts are
+therefore bounded at validation, where a request is still cheap to refuse.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import structlog
 
 from millm_core.api import (
     AppContext,
@@ -25,6 +26,8 @@ from millm_core.api import (
     ChatRender,
     ForwardPlan,
     InvalidRequest,
+    MillmError,
+    PassThrough,
     Problem,
     RequestContext,
     RequestField,
@@ -46,6 +49,8 @@ from .fields import MAX_TOOLS, Tool, ToolChoice, forced_name, tool_dicts, unset
 from .formats import CallFormat, ForcedCall, detect_format, takes_tools
 from .pattern import pattern_parser
 from .processor import ToolCalls, special_markers
+
+log = structlog.get_logger("millm.tools")
 
 NAME = "tools"
 # A parameters schema's JSON nesting (a subschema level is two JSON levels: "properties", then the name).
@@ -246,6 +251,11 @@ def _call_for_template(call: Any) -> Any:
     return out
 
 
+class _Unbuilt(MillmError):
+    """A forced call's argument automaton that could not be built in time (caught: the
+    arguments go unconstrained)."""
+
+
 def _unheld_strict(ctx: RequestContext, tools: list[Tool]) -> None:
     """``strict: true`` asks for arguments held to the schema; where no call is
     constrained (``auto``, ``none``, arguments beyond the enforced subset) it is reported."""
@@ -322,20 +332,42 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
     opening = calling.forced.opening if calling.forced is not None else ""
     markers = special_markers(ctx.model.engine, calling.fmt) if ctx.model is not None else {}
 
+    # A forced call's argument automata are built before the rows run (see the wait below);
+    # one that cannot be built in time leaves the arguments unconstrained, as a costly
+    # pattern does at validation.
+    held = {"constrained": calling.constrained}
+
     def calls(_row: RowInfo) -> TokenProcessor:
-        return ToolCalls(calling.fmt, calling.offered, parallel=calling.parallel, opening=opening, markers=markers, schemas=calling.schemas)
+        schemas = calling.schemas if held["constrained"] else {}
+        return ToolCalls(calling.fmt, calling.offered, parallel=calling.parallel, opening=opening, markers=markers, schemas=schemas)
 
     plan.add_processor(calls)
     if calling.constrained and calling.forced is not None and ctx.model is not None:
         vocab = ready_vocab(ctx.app, ctx.model)
         forced = calling.forced
-        ctx.set_header(CONSTRAINED_HEADER, "tool_arguments")
         built: dict[str, Any] = {}  # the arguments' pattern automata, filled before the rows run
         patterns = {forced.pattern} if forced.pattern is not None else schema_patterns(forced.schema)
+        tools = list(getattr(request, "tools", None) or [])
         if patterns:
-            plan.add_wait(automata(ctx.app).wait(patterns, built, "tools"))
+            wait = automata(ctx.app).wait(patterns, built, _Unbuilt)
+
+            async def arguments_built() -> None:
+                try:
+                    await wait()
+                except _Unbuilt as exc:
+                    held["constrained"] = False
+                    _unheld_strict(ctx, tools)
+                    log.warning("tool_arguments_unconstrained", reason=exc.message[:300])
+                else:
+                    ctx.set_header(CONSTRAINED_HEADER, "tool_arguments")
+
+            plan.add_wait(arguments_built)
+        else:
+            ctx.set_header(CONSTRAINED_HEADER, "tool_arguments")
 
         def arguments(_row: RowInfo) -> TokenProcessor:
+            if not held["constrained"]:
+                return PassThrough()  # unconstrained: nothing to do
             if forced.pattern is not None:
                 return LazyConstraint(vocab, lambda: pattern_parser(forced.pattern or "", forced.suffix, built.get(forced.pattern or "")))
             return LazyConstraint.json(vocab, forced.schema, forced.suffix, automata=built)

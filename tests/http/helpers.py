@@ -51,33 +51,27 @@ def json_frames(raw: bytes) -> list[dict[str, Any]]:
     return [json.loads(f) for f in frames[:-1]]
 
 
-class PassThrough:
-    """A token processor that changes nothing (subclass it to record or add what a test needs)."""
-
-    def logit_bias(self) -> None:
-        return None
-
-    def on_token(self, token_id: int, text: str) -> tuple[str, bool]:
-        return text, False
-
-    def flush(self) -> str:
-        return ""
-
-
-def automaton_builds(monkeypatch: Any) -> list[str]:
-    """The names of the threads that build regex automata from now on (lm-format-enforcer
-    builds through ``interegular``'s ``Pattern.to_fsm``; validation only parses)."""
+def automaton_builds(monkeypatch: Any) -> dict[str, list[str]]:
+    """Who builds regex automata from now on, by thread name: ``"process"``, the threads
+    that hand a pattern to the build process; ``"here"``, the threads that build one in
+    this process (lm-format-enforcer builds through ``interegular``'s ``Pattern.to_fsm``;
+    validation only parses)."""
     from interegular.patterns import Pattern
 
-    real = Pattern.to_fsm
-    threads: list[str] = []
+    from millm_plugins.structured.fsmbuild import Builder
 
-    def spy(self: Pattern, *args: Any, **kwargs: Any) -> Any:
-        threads.append(threading.current_thread().name)
-        return real(self, *args, **kwargs)
+    seen: dict[str, list[str]] = {"process": [], "here": []}
 
-    monkeypatch.setattr(Pattern, "to_fsm", spy)
-    return threads
+    def spy(real: Any, key: str) -> Any:
+        def record(self: Any, *args: Any, **kwargs: Any) -> Any:
+            seen[key].append(threading.current_thread().name)
+            return real(self, *args, **kwargs)
+
+        return record
+
+    monkeypatch.setattr(Builder, "build", spy(Builder.build, "process"))
+    monkeypatch.setattr(Pattern, "to_fsm", spy(Pattern.to_fsm, "here"))
+    return seen
 
 
 class _Boom:

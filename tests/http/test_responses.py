@@ -19,12 +19,12 @@ import jsonschema
 import openai
 import pytest
 
-from millm_core.api import DatabaseBusy, Finalization, ForwardPlan, Outcome, RequestContext, RowEnd, hookimpl
+from millm_core.api import DatabaseBusy, Finalization, ForwardPlan, Outcome, PassThrough, RequestContext, RowEnd, hookimpl
 from millm_core.config import load_settings
 from millm_core.server.app import build_host
 from millm_plugins.responses.routes import STATE
 
-from .helpers import FaultPlugin, FinalizeRecorder, GatePlugin, PassThrough, chat_ids, scheduler_stats, sdk_validate, wait_until
+from .helpers import FaultPlugin, FinalizeRecorder, GatePlugin, chat_ids, scheduler_stats, sdk_validate, wait_until
 
 QUESTION = "Tell me about the sea"
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import time
+import uuid
 from typing import Any
 
 import httpx
@@ -226,39 +227,56 @@ def _pattern_format(pattern: str) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
 
 
-# Eleven characters spelled out after ".*": within the repeat-count budget (it reads counts),
-# yet its automaton takes about 2 s to build here (twelve: 8 s).
-SLOW = ".*a...........b"
+# Characters spelled out after ".*": within the repeat-count budget (it reads counts), yet
+# their automata take about 2 s (eleven) and 8 s (twelve) to build here.
+SLOWER = ".*a...........b"
+SLOWEST = ".*a............b"
 
 
-def test_a_slow_automaton_is_built_off_the_model_thread_and_serves_once_built(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A request waits for its pattern's automaton, built on a thread of its own, for at
-    most ``BUILD_WAIT_S``, then is refused; the build goes on without holding up the model
-    thread (a request without a pattern is served meanwhile), and once it is done the
-    pattern is served from it."""
+def test_a_slow_automaton_refuses_its_request_at_the_wait_and_serves_once_built(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request waits for its pattern's automaton at most ``BUILD_WAIT_S``, then is
+    refused; the build goes on in the build process, and once it is done the pattern is
+    served from it."""
     from millm_plugins.structured import automata
 
     monkeypatch.setattr(automata, "BUILD_WAIT_S", 0.3)
-    refused = _chat(server, response_format=_pattern_format(SLOW), max_tokens=2)
+    refused = _chat(server, response_format=_pattern_format(SLOWER), max_tokens=2)
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
     assert error["code"] == "response_format_unsupported" and "takes more than 0.3 s to build" in error["message"]
     assert error["param"] == "response_format.json_schema.schema"
-    assert _chat(server, max_tokens=4).status_code == 200  # the model thread is free
-    still = _chat(server, response_format=_pattern_format(SLOW), max_tokens=2)
-    assert still.status_code == 400, still.text  # still building: the request above did not wait for it
+    assert _chat(server, max_tokens=4).status_code == 200
     deadline = time.monotonic() + 120
-    while (served := _chat(server, response_format=_pattern_format(SLOW), max_tokens=2)).status_code != 200:
+    while (served := _chat(server, response_format=_pattern_format(SLOWER), max_tokens=2)).status_code != 200:
         assert served.status_code == 400 and time.monotonic() < deadline, served.text
         time.sleep(0.5)
     assert served.json()["choices"][0]["message"]["content"].lstrip().startswith("{")
 
 
-def test_no_automaton_is_built_on_the_model_thread(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every automaton a constrained request needs is built on the automata thread, before
-    its rows join a batch (lm-format-enforcer builds through ``interegular``'s
-    ``Pattern.to_fsm``; validation only parses the pattern)."""
-    threads = automaton_builds(monkeypatch)
-    resp = _chat(server, response_format=_pattern_format("[a-z]{2}-[0-9]{3}-spy"), max_tokens=12)
+def test_a_build_past_its_limit_is_stopped_and_its_pattern_refused_from_then_on(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build process is stopped at ``BUILD_LIMIT_S`` (a pattern can ask for years of
+    work); the pattern is refused at once from then on, and the next pattern builds in a
+    fresh process."""
+    from millm_plugins.structured import automata
+
+    monkeypatch.setattr(automata, "BUILD_LIMIT_S", 1.0)
+    first = _chat(server, response_format=_pattern_format(SLOWEST), max_tokens=2)
+    assert first.status_code == 400, first.text
+    assert "takes more than 1 s to build" in first.json()["error"]["message"]
+    started = time.monotonic()
+    again = _chat(server, response_format=_pattern_format(SLOWEST), max_tokens=2)
+    assert again.status_code == 400 and again.json()["error"]["message"] == first.json()["error"]["message"]
+    assert time.monotonic() - started < 1.0  # refused from what was kept, not built again
+    fresh = _chat(server, response_format=_pattern_format(f"[a-z]-{uuid.uuid4().hex[:8]}"), max_tokens=2)
+    assert fresh.status_code == 200, fresh.text
+
+
+def test_no_automaton_is_built_in_the_server_process(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every automaton a constrained request needs is built by the build process, handed
+    over by the automata thread before the request's rows join a batch: none on the model
+    thread, none in the server process at all."""
+    seen = automaton_builds(monkeypatch)
+    resp = _chat(server, response_format=_pattern_format(f"[a-z]{{2}}-[0-9]{{3}}-{uuid.uuid4().hex[:8]}"), max_tokens=12)
     assert resp.status_code == 200, resp.text
-    assert threads and all(name.startswith("millm-constraint-automata") for name in threads), threads
+    assert seen["process"] and all(name.startswith("millm-constraint-automata") for name in seen["process"]), seen
+    assert seen["here"] == []

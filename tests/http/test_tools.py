@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import uuid
 from typing import Any
 
 import httpx
@@ -288,12 +289,31 @@ def test_gguf_serves_forced_calls_and_tool_history(gguf_tools_server: RunningSer
 @pytest.mark.parametrize("model", ["tiny-hermes", "tiny-lfm2"])
 def test_a_forced_calls_automaton_is_built_off_the_model_thread(tools_server: RunningServer, model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A forced call's argument automata (a JSON schema's ``pattern``; a pythonic call's
-    whole pattern) are built on the automata thread before its rows run, never on the model
-    thread (lm-format-enforcer builds through ``interegular``'s ``Pattern.to_fsm``)."""
-    threads = automaton_builds(monkeypatch)
-    code = {"type": "string", "pattern": "[a-z]{2}[0-9]{2}"} if model == "tiny-hermes" else {"enum": [f"{model}-a", f"{model}-b"]}
+    whole pattern) are built by the build process before its rows run, never in the server
+    process."""
+    seen = automaton_builds(monkeypatch)
+    tag = uuid.uuid4().hex[:8]  # a pattern no earlier request built
+    code = {"type": "string", "pattern": f"[a-z]{{2}}{tag}"} if model == "tiny-hermes" else {"enum": [f"a{tag}", f"b{tag}"]}
     lookup = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"code": code}, "required": ["code"]}}}
     resp = _chat(tools_server, model=model, tools=[lookup], tool_choice={"type": "function", "function": {"name": "lookup"}})
     assert resp.status_code == 200, resp.text
     assert resp.headers["x-millm-constrained"] == "tool_arguments"
-    assert threads and all(name.startswith("millm-constraint-automata") for name in threads), threads
+    assert seen["process"] and all(name.startswith("millm-constraint-automata") for name in seen["process"]), seen
+    assert seen["here"] == []
+
+
+def test_a_forced_call_whose_automaton_cannot_be_built_in_time_goes_unconstrained(tools_server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a pattern over the count budget does: the call is still forced and parsed, the
+    arguments are written freely (no X-miLLM-Constrained), and strict is reported."""
+    from millm_plugins.structured import automata
+
+    monkeypatch.setattr(automata, "BUILD_WAIT_S", 0.0)
+    code = {"type": "string", "pattern": f".*a..........b{uuid.uuid4().hex[:8]}"}  # about 0.5 s to build
+    lookup = {
+        "type": "function",
+        "function": {"name": "lookup", "strict": True, "parameters": {"type": "object", "properties": {"code": code}, "required": ["code"]}},
+    }
+    resp = _chat(tools_server, tools=[lookup], tool_choice={"type": "function", "function": {"name": "lookup"}}, max_tokens=24)
+    assert resp.status_code == 200, resp.text
+    assert "x-millm-constrained" not in resp.headers
+    assert "tools[0].function.strict" in resp.headers.get("x-millm-ignored-fields", "")

@@ -169,19 +169,26 @@ async def respond_to(
         execution = state.host.execute(ctx, body, model)
         if isinstance(execution, Generate) and endpoint != "embeddings":
             prepared = prepare_generation(state, ctx, body, model)
-            try:
-                for wait in prepared.plan.waits:  # built off the event loop and the model thread
+            shapes = CHAT_SHAPES if endpoint == "chat.completions" else COMPLETION_SHAPES
+            streaming = False
+
+            async def generate() -> Response:
+                nonlocal streaming
+                for wait in prepared.plan.waits:  # what the rows need, built off the event loop and the model thread
                     await wait()
-                _report_unused(ctx, reported, rename, unreported)  # after every place that can report a field
-                shapes = CHAT_SHAPES if endpoint == "chat.completions" else COMPLETION_SHAPES
+                _report_unused(ctx, reported, rename, unreported)  # after every place that can report a field, waits included
                 if ctx.stream:
+                    streaming = True
                     return hold(stream(state, prepared, shapes))  # a stream notices a disconnect itself, and releases its claim
-                return await guard(complete(state, prepared, shapes))
+                return await complete(state, prepared, shapes)
+
+            try:
+                return await guard(generate())
             except BaseException:
                 prepared.release()
                 raise
             finally:
-                if not ctx.stream:
+                if not streaming:
                     prepared.release()
         if isinstance(execution, Compute):
             _report_unused(ctx, reported, rename, unreported)
