@@ -23,9 +23,9 @@ from typing import Any
 
 import structlog
 
-from millm_core.api import AppContext, MillmError, StashKey
+from millm_core.api import AppContext, MillmError, ServiceUnavailable, StashKey
 
-from .fsmbuild import Builder
+from .fsmbuild import Builder, BuilderUnavailable
 
 log = structlog.get_logger("millm.structured")
 
@@ -35,6 +35,8 @@ BUILD_LIMIT_S = 10.0
 """How long one build may take before it is stopped (the pattern is refused from then on)."""
 MAX_KEPT = 256
 """Automata kept for later requests; the least recently asked for is dropped first."""
+MAX_QUEUED = 8
+"""Builds waiting or under way at most: a request with a new pattern past it gets a 503."""
 
 AUTOMATA = StashKey["Automata"]("structured.automata")
 Refusal = Callable[[str], MillmError]
@@ -74,9 +76,18 @@ class Automata:
 
     def future(self, pattern: str) -> Future[Any]:
         """``pattern``'s automaton, building it if nobody asked for it yet (a failed build
-        is kept: the pattern fails again at once)."""
+        is kept: the pattern fails again at once, unless the build process was at fault).
+        Raises :class:`~millm_core.api.ServiceUnavailable` while :data:`MAX_QUEUED` builds
+        are waiting or under way."""
         future = self._built.get(pattern)
+        if future is not None and future.done() and isinstance(future.exception(), BuilderUnavailable):
+            del self._built[pattern]  # not the pattern's fault: build it again
+            future = None
         if future is None:
+            if sum(not kept.done() for kept in self._built.values()) >= MAX_QUEUED:
+                raise ServiceUnavailable(
+                    f"{MAX_QUEUED} regex patterns are being built into automata; retry in a few seconds", code="constraint_automata_busy"
+                )
             future = self._thread.submit(self._build, pattern)
             self._built[pattern] = future
             if len(self._built) > MAX_KEPT:  # the least recently asked for that is built (never one under way)
@@ -103,6 +114,12 @@ class Automata:
                         continue
                     # shielded: a request that stops waiting leaves the build to finish for the next
                     into[pattern] = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), max(0.0, deadline - loop.time()))
+                except BuilderUnavailable as exc:
+                    log.error("pattern_automaton_unavailable", error=str(exc))
+                    raise ServiceUnavailable(
+                        "regex automata cannot be built here now (the build process failed; the server log says why); retry later",
+                        code="constraint_automata_unavailable",
+                    ) from None
                 except TimeoutError:
                     log.warning("pattern_automaton_slow", pattern=pattern[:200], waited_s=BUILD_WAIT_S)
                     raise refuse(
@@ -123,3 +140,9 @@ class Automata:
 def automata(app: AppContext) -> Automata:
     """The app's :class:`Automata` (made on first use)."""
     return app.stash.setdefault(AUTOMATA, Automata)
+
+
+def shutdown_automata(app: AppContext) -> None:
+    """At shutdown (the structured and tools plugins both call it): stop the builds."""
+    if AUTOMATA in app.stash:
+        app.stash[AUTOMATA].shutdown()

@@ -26,7 +26,7 @@ from millm_core.api import (
     hookimpl,
 )
 
-from .automata import AUTOMATA, automata
+from .automata import automata, shutdown_automata
 from .budget import schema_pattern_problems
 from .cache import ready_vocab, shutdown, vocab_for
 from .formats import JsonObjectFormat, JsonSchemaFormat, ResponseFormat, TextFormat, constrained_header
@@ -116,5 +116,4 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
 @hookimpl
 def millm_shutdown(app: AppContext) -> None:
     shutdown(app)
-    if AUTOMATA in app.stash:
-        app.stash[AUTOMATA].shutdown()
+    shutdown_automata(app)

@@ -37,7 +37,7 @@ from millm_core.api import (
     TokenProcessor,
     hookimpl,
 )
-from millm_plugins.structured.automata import automata
+from millm_plugins.structured.automata import automata, shutdown_automata
 from millm_plugins.structured.budget import pattern_problem, schema_pattern_problems
 from millm_plugins.structured.cache import ready_vocab, vocab_for
 from millm_plugins.structured.lazy import LazyConstraint
@@ -373,3 +373,9 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
             return LazyConstraint.json(vocab, forced.schema, forced.suffix, automata=built)
 
         plan.add_processor(arguments)
+
+
+@hookimpl
+def millm_shutdown(app: AppContext) -> None:
+    """Stop the argument automata's builds (the structured plugin may not be enabled)."""
+    shutdown_automata(app)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import sys
 import time
 import uuid
 from typing import Any
@@ -280,3 +281,37 @@ def test_no_automaton_is_built_in_the_server_process(server: RunningServer, monk
     assert resp.status_code == 200, resp.text
     assert seen["process"] and all(name.startswith("millm-constraint-automata") for name in seen["process"]), seen
     assert seen["here"] == []
+
+
+def test_a_build_process_that_cannot_start_is_a_503_and_not_held_against_the_pattern(make_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's fault, not the pattern's: 503 (retry later), and the pattern is built
+    once the process can start."""
+    pattern = f"[a-z]{{2}}-{uuid.uuid4().hex[:8]}"
+    with make_server() as srv:
+        real = sys.executable
+        monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+        refused = _chat(srv, response_format=_pattern_format(pattern), max_tokens=2)
+        monkeypatch.setattr(sys, "executable", real)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "constraint_automata_unavailable"
+        served = _chat(srv, response_format=_pattern_format(pattern), max_tokens=2)
+        assert served.status_code == 200, served.text
+
+
+def test_new_patterns_past_the_build_queue_get_a_503(make_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Builds are bounded (a client sending many slow patterns and leaving cannot queue
+    hours of work): past ``MAX_QUEUED`` waiting or running builds a new pattern is a 503;
+    one already built is served meanwhile."""
+    from millm_plugins.structured import automata
+
+    tag = uuid.uuid4().hex[:8]
+    with make_server() as srv:
+        built = f"[a-z]-{tag}"
+        assert _chat(srv, response_format=_pattern_format(built), max_tokens=2).status_code == 200
+        monkeypatch.setattr(automata, "MAX_QUEUED", 1)
+        monkeypatch.setattr(automata, "BUILD_WAIT_S", 0.0)
+        slow = _chat(srv, response_format=_pattern_format(f".*a..........b{tag}"), max_tokens=2)  # about 0.5 s to build
+        assert slow.status_code == 400, slow.text  # not waited for; it builds on
+        busy = _chat(srv, response_format=_pattern_format(f"[0-9]-{tag}"), max_tokens=2)
+        assert busy.status_code == 503 and busy.json()["error"]["code"] == "constraint_automata_busy", busy.text
+        assert _chat(srv, response_format=_pattern_format(built), max_tokens=2).status_code == 200
