@@ -113,7 +113,10 @@ class Automata:
                         into[pattern] = future.result()
                         continue
                     # shielded: a request that stops waiting leaves the build to finish for the next
-                    into[pattern] = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), max(0.0, deadline - loop.time()))
+                    # (whose outcome is then nobody's here: read, so that asyncio does not log it)
+                    wrapped = asyncio.wrap_future(future)
+                    wrapped.add_done_callback(lambda done: done.cancelled() or done.exception())
+                    into[pattern] = await asyncio.wait_for(asyncio.shield(wrapped), max(0.0, deadline - loop.time()))
                 except BuilderUnavailable as exc:
                     log.error("pattern_automaton_unavailable", error=str(exc))
                     raise ServiceUnavailable(

@@ -183,7 +183,9 @@ async def respond_to(
                 return await complete(state, prepared, shapes)
 
             try:
-                return await guard(generate())
+                # A stream notices a disconnect itself once it runs (its waits first, at most
+                # as long as they bound themselves); the guard would take that notice from it.
+                return await (generate() if ctx.stream else guard(generate()))
             except BaseException:
                 prepared.release()
                 raise
