@@ -80,7 +80,7 @@ class Automata:
         Raises :class:`~millm_core.api.ServiceUnavailable` while :data:`MAX_QUEUED` builds
         are waiting or under way."""
         future = self._built.get(pattern)
-        if future is not None and future.done() and isinstance(future.exception(), BuilderUnavailable):
+        if future is not None and future.done() and (future.cancelled() or isinstance(future.exception(), BuilderUnavailable)):
             del self._built[pattern]  # not the pattern's fault: build it again
             future = None
         if future is None:
