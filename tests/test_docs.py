@@ -6,8 +6,10 @@ the test points them at a server running the tiny model. The GGUF page's example
 responses pages' address SmolLM2 served with the example Hermes template, and run against
 the tiny model served with that template; the reasoning page's address a reasoning model
 (``Qwen3-0.6B``) and run against ``tiny-think`` (the tiny model with a reasoning template).
-Blocks fenced as ``console``,
-``text`` or ``toml`` are illustrations and are not run.
+Blocks fenced as ``json`` must
+be JSON (a document, or the members of one), and a member named like a request field must
+decode as that field. Blocks fenced as ``console``, ``text`` or ``toml`` are illustrations
+and are not run.
 
 A ``python`` block of CONTRIBUTING.md whose first line is a ``# <path>.py`` comment is a
 file of a plugin author's project (a plugin module, a test module): those files are
@@ -69,6 +71,31 @@ def test_docs_have_examples() -> None:
     langs = {lang for _, _, lang, _ in blocks()}
     assert langs == {"python", "bash"}
     assert len(blocks()) >= 10
+
+
+def json_blocks() -> list[tuple[str, int, str]]:
+    return [(page.name, index, m["body"]) for page in PAGES for index, m in enumerate(FENCE.finditer(page.read_text())) if m["lang"] == "json"]
+
+
+@pytest.mark.parametrize(("page", "index", "body"), json_blocks(), ids=[f"{b[0]}#{b[1]}" for b in json_blocks()])
+def test_json_example_is_json_and_its_request_fields_decode(page: str, index: int, body: str) -> None:
+    """A ``json`` block is a JSON document, or the members of one (a fragment of a request
+    or a reply: ``"key": value``); a member named like a plugin's request field decodes
+    as that field's type, as the server would decode it."""
+    import msgspec
+
+    from millm_core.config import load_settings
+    from millm_core.plugins import PluginHost
+
+    try:
+        json.loads(body)
+        return
+    except json.JSONDecodeError:
+        members = json.loads("{" + body + "}")  # a fragment: fails the test if it is not JSON either
+    fields = {f.name: f for f in PluginHost.build(load_settings({}, environ={})).request_fields()}
+    for key, value in members.items():
+        if key in fields:
+            msgspec.json.decode(json.dumps(value), type=fields[key].type)
 
 
 @contextlib.contextmanager

@@ -189,3 +189,113 @@ def test_a_pre_forward_wait_runs_before_the_rows_and_can_refuse(make_server) -> 
             assert resp.status_code == 400, resp.text
             assert resp.json()["error"]["message"] == "the wait says no" and resp.json()["error"]["param"] == "prompt"
         assert plugin.order == ["first", "second"] * 2  # no row was made
+
+
+def test_the_hook_table_lists_what_each_builtin_plugin_implements() -> None:
+    """docs/hooks.md's table of built-in plugins against the code: every installed plugin
+    (and the core's own) has a row with its kind, every hook it implements and no other,
+    and a hook's ``tryfirst``/``trylast`` is said where, and only where, it is declared."""
+    import importlib.metadata
+    import re
+
+    from millm_core import builtin
+    from millm_core.plugins import plugin_kind
+
+    docs = (ROOT / "docs" / "hooks.md").read_text()
+    table = docs.split("## Which hooks each built-in plugin implements", 1)[1].split("\n\n", 2)[1]
+    rows: dict[str, tuple[str, str]] = {}
+    for line in table.splitlines()[2:]:
+        name, kind, hooks = (cell.strip() for cell in line.strip("|").split(" | "))
+        rows[name.strip("`")] = (kind, hooks)
+    plugins = {builtin.NAME: builtin, **{ep.name: ep.load() for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT)}}
+    assert sorted(rows) == sorted(plugins)
+    for name, plugin in plugins.items():
+        declared = {}
+        for attr in dir(plugin):
+            opts = getattr(getattr(plugin, attr), f"{hookspecs.PROJECT}_impl", None)
+            if attr.startswith("millm_") and opts is not None:
+                declared[attr] = "tryfirst" if opts.get("tryfirst") else "trylast" if opts.get("trylast") else ""
+        kind, hooks = rows[name]
+        assert kind.split()[0] == plugin_kind(plugin), name
+        listed: dict[str, str] = {}
+        depth, segment, segments = 0, "", []
+        for char in hooks + ",":  # split at the commas outside parentheses
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if char == "," and depth == 0:
+                segments.append(segment)
+                segment = ""
+            else:
+                segment += char
+        for segment in segments:
+            head, _, note = segment.partition("(")
+            (hook,) = re.findall(r"`(millm_\w+)`", head)
+            order = re.match(r"\s*(tryfirst|trylast)\b", note)
+            listed[hook] = order[1] if order else ""
+        assert listed == declared, f"{name}: the table says {listed}, the code declares {declared}"
+
+
+class LocatingPlugin:
+    """Finds one name of its own (a lab's alias for a checkpoint directory)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.asked: list[str] = []
+
+    @hookimpl
+    def millm_locate_model(self, name: str, settings: Any) -> Any:
+        from millm_core.api import ModelLocation
+
+        self.asked.append(name)
+        return ModelLocation(path=self.path, served_name=name, revision="lab-1") if name == "lab/tiny-alias" else None
+
+
+def test_locate_model_is_asked_for_names_no_source_offers(tiny_dir: str) -> None:
+    """``--model`` names a model: a directory or a plugin's model source first; only then
+    ``millm_locate_model`` (first answer wins); ``--served-name`` still renames it, and a
+    name nobody finds is a configuration error naming what was tried."""
+    import pytest
+
+    from millm_core.errors import ConfigError
+    from millm_core.loading import locate
+
+    def host_with(plugin: LocatingPlugin, **values: Any) -> tuple[Any, Any]:
+        settings = load_settings(values, environ={})
+        host = build_host(settings)
+        host.register(plugin, "locator")
+        return settings, host
+
+    plugin = LocatingPlugin(tiny_dir)
+    settings, host = host_with(plugin, model="lab/tiny-alias")
+    found = locate(settings, host)
+    assert (found.path, found.served_name, found.revision) == (tiny_dir, "lab/tiny-alias", "lab-1")
+    settings, host = host_with(plugin, model="lab/tiny-alias", served_name="mine")
+    assert locate(settings, host).served_name == "mine"
+    settings, host = host_with(plugin, model="lab/nowhere")
+    with pytest.raises(ConfigError, match="lab/nowhere"):
+        locate(settings, host)
+    assert plugin.asked == ["lab/tiny-alias", "lab/tiny-alias", "lab/nowhere"]
+    settings, host = host_with(plugin, model="SmolLM2-135M-Instruct")  # the smollm2 plugin's source
+    assert locate(settings, host).served_name == "SmolLM2-135M-Instruct"
+    assert plugin.asked[-1] == "lab/nowhere"  # a source answered: the hook was not asked
+
+
+def test_the_hf_cache_plugin_locates_a_cached_repository(tiny_dir: str, tmp_path: pathlib.Path, monkeypatch: Any) -> None:
+    """The built-in ``millm_locate_model``: a repository id found in the local Hugging Face
+    cache (its refs/main snapshot), nothing for one that is not there (never a download)."""
+    import os
+
+    from huggingface_hub import constants
+
+    from millm_plugins.hf_cache import plugin as hf_cache
+
+    snapshot = tmp_path / "models--acme--Tiny" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for name in os.listdir(tiny_dir):
+        os.symlink(os.path.join(tiny_dir, name), snapshot / name)
+    (tmp_path / "models--acme--Tiny" / "refs").mkdir()
+    (tmp_path / "models--acme--Tiny" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    settings = load_settings({}, environ={})
+    found = hf_cache.millm_locate_model("acme/Tiny", settings)
+    assert found is not None and os.path.samefile(found.path, snapshot) and found.served_name == "acme/Tiny"
+    assert hf_cache.millm_locate_model("acme/Missing", settings) is None

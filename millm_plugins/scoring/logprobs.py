@@ -14,13 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from millm_core.api import MillmError
-
-
-class NonFiniteLogits(MillmError):
-    status = 500
-    type = "server_error"
-    code = "non_finite_logits"
+from millm_core.api import NonFiniteLogits
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from millm_plugins.scoring.logprobs import NonFiniteLogits, score_row
+from millm_core.api import NonFiniteLogits
+from millm_plugins.scoring.logprobs import score_row
 
 
 @given(arrays(np.float32, 50, elements=st.floats(-30, 30, width=32)), st.sets(st.integers(0, 49), min_size=1, max_size=10))
