@@ -74,11 +74,12 @@ def _request_problems(ctx: RequestContext, request: Any) -> list[Problem]:
         problems.append(Problem("n > 1 and extra_messages together are not served: each conversation is one choice; send one of them", param="n"))
     limit = ctx.settings.max_rows_per_request
     if prompts * n > limit:
+        unit, many = ("prompt", "prompt") if ctx.endpoint == "completions" else ("conversation", "extra_messages")
         problems.append(
             Problem(
-                f"this request asks for {prompts * n} rows ({prompts} prompt(s) × n={n}); this server runs at most {limit} "
+                f"this request asks for {prompts * n} rows ({prompts} {unit}(s) × n={n}); this server runs at most {limit} "
                 "per request (--max-rows-per-request)",
-                param="n" if n > 1 else "prompt",
+                param="n" if n > 1 else many,
                 code="too_many_rows",
             )
         )

@@ -152,19 +152,21 @@ def token_budget(request: ChatCompletionRequest | CompletionRequest, prompts: li
     limit = model.info.context_length
     asked = request.max_tokens if _sent(request.max_tokens) else request.max_completion_tokens
     longest = max(len(p) for p in prompts)
+    prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
     if _sent(asked):
         if longest + _int(asked) > limit:
+            budget = "max_tokens" if _sent(request.max_tokens) else "max_completion_tokens"
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{longest + _int(asked)} tokens ({longest} in the prompt, {asked} for the completion). "
-                "Shorten the prompt or lower max_tokens.",
-                param="max_tokens" if _sent(request.max_tokens) else "max_completion_tokens",
+                + (f"Shorten the prompt or lower {budget}." if longest < limit else "The prompt alone fills the context: shorten it."),
+                param=budget if longest < limit else prompt_param,  # the field that has to change
             )
         return _int(asked)
     if longest >= limit:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {limit} tokens. However, the prompt has "
             f"{longest} tokens, leaving no room for a completion. Shorten the prompt.",
-            param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+            param=prompt_param,
         )
     return limit - longest if default == 0 else min(default, limit - longest)

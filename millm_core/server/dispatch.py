@@ -242,7 +242,10 @@ def _error(state: AppState, exc: MillmError, request_id: str, rename: Callable[[
         headers["Retry-After"] = str(max(1, int(estimate)))
     body = error_body(exc)
     if rename is not None and body.error.param is not None:
-        body.error.param = rename(body.error.param)
+        inner = body.error.param
+        body.error.param = rename(inner)
+        if body.error.param != inner:  # a decode error quotes the location: "(at 'messages')"
+            body.error.message = body.error.message.replace(f"'{inner}'", f"'{body.error.param}'")
     headers["Content-Type"] = "application/json"
     return Dispatched(exc.status, Headers(headers=headers), request_id, body=encode(body))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -149,6 +150,15 @@ def _problems_when_scoring(ctx: RequestContext, request: Any) -> Iterable[Proble
             yield Problem("allowed_token_ids must list at least one token id", param="allowed_token_ids", code="invalid_scoring_request")
         elif any(t < 0 for t in allowed):
             yield Problem("allowed_token_ids must be non-negative token ids", param="allowed_token_ids", code="invalid_scoring_request")
+        elif len(set(allowed)) < len(allowed):
+            # The log-probabilities are normalised over the set: a repeated id would count twice.
+            repeated = sorted(t for t, n in Counter(allowed).items() if n > 1)
+            yield Problem(
+                f"allowed_token_ids lists {repeated} more than once: each id is a member of the set the log-probabilities are "
+                "normalised over, so list it once",
+                param="allowed_token_ids",
+                code="invalid_scoring_request",
+            )
     for name in NEVER_WHEN_SCORING:
         value = getattr(request, name, msgspec.UNSET)
         if _sent(value) and msgspec.to_builtins(value) != NEUTRAL_WHEN_SCORING.get(name, _NO_NEUTRAL):

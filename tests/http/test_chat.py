@@ -98,8 +98,15 @@ def test_context_length_exceeded_before_any_stream(server, client, tiny_engine) 
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=long, max_tokens=asked)
     body = info.value.body
-    assert body["code"] == "context_length_exceeded"
+    assert (body["code"], body["param"]) == ("context_length_exceeded", "max_tokens")
     assert "512" in body["message"] and str(prompt_len + asked) in body["message"]
+    # A prompt that fills the window alone is the prompt's fault, whatever max_tokens says.
+    longer = [{"role": "user", "content": "word " * 600}]
+    for path, body in (("/v1/chat/completions", {"messages": longer}), ("/v1/completions", {"prompt": "word " * 600})):
+        refused = httpx.post(server.base_url + path, json={"model": "tiny", "max_tokens": 4, **body})
+        error = refused.json()["error"]
+        assert (refused.status_code, error["code"], error["param"]) == (400, "context_length_exceeded", "messages" if "messages" in body else "prompt")
+        assert "shorten it" in error["message"]
     streamed = httpx.post(server.base_url + "/v1/chat/completions", json={"model": "tiny", "messages": long, "max_tokens": asked, "stream": True})
     assert streamed.status_code == 400 and streamed.json()["error"]["code"] == "context_length_exceeded"
     fits = client.chat.completions.create(model="tiny", messages=long, max_tokens=asked - 1, temperature=0)

@@ -163,6 +163,9 @@ def test_rows_per_request_are_capped_by_name(make_server) -> None:  # type: igno
         assert (many_choices.json()["error"]["code"], many_choices.json()["error"]["param"]) == ("too_many_rows", "n")
         many_prompts = httpx.post(srv.base_url + "/v1/completions", json={"model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 1})
         assert (many_prompts.status_code, many_prompts.json()["error"]["param"]) == (400, "prompt")
+        many_conversations = _chat(srv.base_url, extra_messages=[MESSAGES, MESSAGES])
+        assert (many_conversations.status_code, many_conversations.json()["error"]["param"]) == (400, "extra_messages")
+        assert "3 conversation(s)" in many_conversations.json()["error"]["message"]
         assert _chat(srv.base_url, n=2).status_code == 200
 
 

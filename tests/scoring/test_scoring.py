@@ -101,6 +101,8 @@ def test_chat_scoring_equals_completion_scoring_of_the_render(server, tiny_engin
         ("/v1/completions", {"prompt": "x", "logprobs": 2, "max_tokens": 1, "temperature": 0.0005}, "temperature", "invalid_parameter"),
         ("/v1/completions", {"prompt": "x", "logprobs": 21, "max_tokens": 1}, "logprobs", "invalid_parameter"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 1, "allowed_token_ids": [5, 10**7]}, "allowed_token_ids", "invalid_scoring_request"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1, "logprobs": 2, "allowed_token_ids": [5, 9, 5]}, "allowed_token_ids", "invalid_scoring_request"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "max_tokens": 1, "allowed_token_ids": [9, 9]}, "allowed_token_ids", "invalid_scoring_request"),
         ("/v1/completions", {"prompt": "", "max_tokens": 1, "logprobs": 1, "add_special_tokens": False}, "prompt", "invalid_scoring_request"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 1, "logprobs": 1, "profile": "p"}, "profile", "field_not_honoured"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 1, "logprobs": 1, "steering": {"features": []}}, "steering", "field_not_honoured"),
