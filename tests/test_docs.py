@@ -169,3 +169,28 @@ def test_examples_directory(server) -> None:  # type: ignore[no-untyped-def]
     lowered = headers.stdout.lower()
     assert 'x-millm-seed: 7;scope="request"' in lowered
     assert 'x-millm-ignored-fields: "user", "messages[0].name"' in lowered
+
+
+def test_every_setting_has_a_row_in_the_configuration_page() -> None:
+    """docs/configuration.md names every core setting and every installed plugin's, by flag
+    and environment variable, with the plugin's default shown where it is a plain value."""
+    from millm_core.config import Settings
+    from millm_core.plugins import PluginHost
+
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    rows = {m[1]: m[0] for m in re.finditer(r"^\| `--([a-z0-9-]+)`.*$", page, re.M)}
+    internal = {"plugin_values"}  # not a flag: where plugin settings' values live
+    core = [name for name in Settings.__struct_fields__ if name not in internal]
+    plugins = PluginHost.declared_settings()
+    for name in [*core, *(s.name for s in plugins)]:
+        flag = name.replace("_", "-")
+        assert flag in rows, f"--{flag} has no row in docs/configuration.md"
+        assert f"`MILLM_{name.upper()}`" in rows[flag], f"--{flag}'s row does not name MILLM_{name.upper()}"
+    for setting in plugins:
+        if isinstance(setting.default, bool):
+            shown = str(setting.default).lower()
+        elif isinstance(setting.default, int | float) and not isinstance(setting.default, bool):
+            shown = str(setting.default)
+        else:
+            continue
+        assert f"| `{shown}`" in rows[setting.name.replace("_", "-")], f"--{setting.name}: the page does not show its default {shown}"

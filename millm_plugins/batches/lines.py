@@ -10,9 +10,9 @@ endpoint itself, and an error there goes to the batch's error file.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgspec
 
@@ -31,6 +31,27 @@ class Line:
     custom_id: str
     offset: int
     length: int
+
+
+@dataclass(frozen=True)
+class Oversized:
+    """A line longer than one request body may be, read past without being kept."""
+
+    length: int
+
+
+def read_lines(source: BinaryIO, limit: int) -> Iterator[bytes | Oversized]:
+    """``source``'s lines, each with its line break, as a binary file iterates them; a line
+    whose content (without its break) is longer than ``limit`` bytes comes as
+    :class:`Oversized`, so a batch file of one huge line is never held in memory."""
+    while raw := source.readline(limit + 2):  # room for the content and a CRLF
+        if len(raw.rstrip(b"\r\n")) <= limit:
+            yield raw
+            continue
+        length = len(raw)
+        while not raw.endswith(b"\n") and (raw := source.readline(1 << 20)):
+            length += len(raw)
+        yield Oversized(length)
 
 
 @dataclass
@@ -101,15 +122,28 @@ def _check(obj: Any, number: int, url: str, seen: dict[str, int]) -> list[BatchE
     return problems
 
 
-def check_lines(raw_lines: Iterable[bytes], url: str, max_lines: int) -> Checked:
+def check_lines(raw_lines: Iterable[bytes | Oversized], url: str, max_lines: int, max_line_bytes: int | None = None) -> Checked:
     """Check the input file, given as its raw lines (each with its line break, as a binary
-    file iterates), for a batch whose endpoint is ``url``."""
+    file iterates, or as :func:`read_lines` gives them), for a batch whose endpoint is
+    ``url``. A line is one request body: longer than ``max_line_bytes`` (the server's
+    ``--max-body-bytes``), it is refused as a request that long would be."""
     result = Checked()
     seen: dict[str, int] = {}
     models: set[str] = set()
     offset = 0
     number = 0
     for number, raw in enumerate(raw_lines, start=1):
+        if isinstance(raw, Oversized) or max_line_bytes is not None and len(raw.rstrip(b"\r\n")) > max_line_bytes:
+            length = raw.length if isinstance(raw, Oversized) else len(raw)
+            offset += length
+            result.fail(
+                BatchError(
+                    code="line_too_long",
+                    line=number,
+                    message=f"line {number} is {length} bytes, over the {max_line_bytes} bytes a request body may have (--max-body-bytes)",
+                )
+            )
+            continue
         start, offset = offset, offset + len(raw)
         if not raw.strip():
             continue

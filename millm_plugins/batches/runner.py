@@ -34,7 +34,7 @@ from millm_core.api import AppContext, Dispatched, Endpoint, declares, decode_js
 from millm_plugins.lanes.plugin import LANES
 
 from .disk import DataDir
-from .lines import Checked, check_lines
+from .lines import Checked, check_lines, read_lines
 from .objects import ENDPOINTS, BatchError, FileObject, new_id
 from .results import Result, error_body, expired_line, refused_result, reply_result
 from .slots import Job, Slots
@@ -201,7 +201,8 @@ class Runner:
         assert batch is not None
         try:
             with open(self.disk.file(batch.input_file_id), "rb") as source:
-                return check_lines(source, batch.endpoint, self.max_lines)
+                limit = self.app.settings.max_body_bytes
+                return check_lines(read_lines(source, limit), batch.endpoint, self.max_lines, limit)
         except FileNotFoundError:  # removed from the data directory by hand
             return Checked(
                 errors=[

@@ -11,6 +11,7 @@ model thread.
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -59,6 +60,36 @@ FLOOR = PluginSetting(
 CEILING = PluginSetting(
     "cluster_intensity_max", 2.0, 'the dial\'s "max" (and cap) for clusters and profiles that declare no intensity_range', _fraction
 )
+
+
+
+def _roots(value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+SAE_ROOTS: PluginSetting[tuple[str, ...]] = PluginSetting(
+    "sae_roots",
+    (),
+    "comma-separated directories POST /api/saes may load SAEs from (a path elsewhere, symlinks resolved, is refused); "
+    "none: any path the server can read",
+    _roots,
+)
+
+
+def allowed_sae_path(app: AppContext, path: str) -> None:
+    """Refuse a path outside ``--sae-roots`` (when set), symlinks resolved, before anything
+    on disk is opened."""
+    roots = SAE_ROOTS.get(app.settings)
+    if not roots:
+        return
+    real = os.path.realpath(path)
+    for root in roots:
+        base = os.path.realpath(os.path.expanduser(root))
+        if real == base or real.startswith(base.rstrip(os.sep) + os.sep):
+            return
+    raise InvalidRequest(
+        f"SAEs load only from under --sae-roots ({', '.join(roots)}); {path!r} is elsewhere", param="path", code="sae_path_not_allowed"
+    )
 
 
 class RegisterSAE(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -234,6 +265,7 @@ def describe(state: SteeringState, sae_id: str, path: str) -> SAEInfo:
 
 async def register_sae(request: Request) -> Response:
     body = await body_of(request, RegisterSAE)
+    allowed_sae_path(app_context(request), body.path)
     state = steering_state(request)
     sae_id, sae = await state.register(body.path, body.id)
     return json_response(_info(state, sae_id, body.path, sae), status=201)

@@ -39,7 +39,7 @@ from millm_core.api import (
 )
 
 from . import api, api_profiles
-from .api import CEILING, FLOOR, STATE, dials_of, state_of
+from .api import CEILING, FLOOR, SAE_ROOTS, STATE, dials_of, state_of
 from .apply import Plan, deltas, plan_for, report
 from .contrib import contributors
 from .inline import InlineSteering, check, conflicts
@@ -73,6 +73,7 @@ INTENSITY: RequestField[float | str] = RequestField(
 def millm_register_settings(register: Callable[[PluginSetting[Any]], None]) -> None:
     register(FLOOR)
     register(CEILING)
+    register(SAE_ROOTS)
 
 
 @hookimpl

@@ -88,8 +88,9 @@ def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
             check_schema(fmt.json_schema.schema, SCHEMA_PARAM)  # the metaschema check included
         except ResponseFormatUnsupported as exc:
             problems.append(Problem(exc.message, param=exc.param or SCHEMA_PARAM, code=exc.code))
-        for pointer, reason in schema_pattern_problems(fmt.json_schema.schema):
-            problems.append(Problem(f"{reason} at {pointer}", param=SCHEMA_PARAM, code=ResponseFormatUnsupported.code))
+        else:  # a refused schema's patterns are not costed too: it may hold any number of them
+            for pointer, reason in schema_pattern_problems(fmt.json_schema.schema):
+                problems.append(Problem(f"{reason} at {pointer}", param=SCHEMA_PARAM, code=ResponseFormatUnsupported.code))
     return problems
 
 

@@ -28,6 +28,7 @@ from millm_core.api import InvalidRequest
 SCHEMA_PARAM = "response_format.json_schema.schema"
 CODE = "response_format_unsupported"
 MAX_BYTES = 64 * 1024  # of the schema serialised as compact-ish JSON (json.dumps defaults)
+MAX_PATTERNS = 128  # distinct ``pattern`` strings: each is compiled and costed when a request is checked
 MAX_DEPTH = 32  # nested subschemas, the root counting as depth 1; literal values count too
 MAX_PROPERTIES = 256  # per object schema
 
@@ -298,23 +299,46 @@ def check_schema(schema: object, param: str = SCHEMA_PARAM) -> None:
     ``additionalProperties``; a ``$ref`` that is remote, points outside ``$defs`` or points
     nowhere, or that refers back to itself without nesting; a ``pattern`` the constraint's
     regex engine cannot compile; ``minLength > maxLength`` or ``minItems > maxItems``;
-    more than 64 KiB serialised, nesting deeper than 32, more than 256 properties in one
-    object; and finally a schema that is not valid Draft 2020-12 (:func:`check_validator`).
+    nesting deeper than 32, more than 256 properties in one object; and finally a schema
+    that is not valid Draft 2020-12 (:func:`check_validator`). Before any of that, and
+    alone: more than 64 KiB serialised, or more than 128 distinct patterns (each pattern
+    is compiled while the request is checked).
     """
     if not isinstance(schema, dict):
         kind = "a boolean" if isinstance(schema, bool) else type(schema).__name__
         problem = SchemaProblem("", None, f"the schema must be a JSON object, not {kind}")
         raise _refuse([problem], param)
+    # The cheap limits first: the walk compiles every pattern it meets.
+    try:
+        size: int | None = len(json.dumps(schema).encode())
+    except RecursionError:  # nested past the interpreter's limit: the walk names the depth
+        size = None
+    if size is not None and size > MAX_BYTES:
+        raise _refuse([SchemaProblem("", None, f"the schema is {size} bytes, over the limit of {MAX_BYTES}")], param)
+    patterns = _distinct_patterns(schema)
+    if patterns > MAX_PATTERNS:
+        raise _refuse([SchemaProblem("", "pattern", f"the schema has {patterns} distinct patterns, over the limit of {MAX_PATTERNS}")], param)
     problems = _walk(schema)
-    if not any("nesting depth" in p.reason for p in problems):  # json.dumps recurses
-        size = len(json.dumps(schema).encode())
-        if size > MAX_BYTES:
-            problems.insert(0, SchemaProblem("", None, f"the schema is {size} bytes, over the limit of {MAX_BYTES}"))
-        elif not problems:
-            problems = _ref_cycles(schema)
+    if not problems and size is not None:
+        problems = _ref_cycles(schema)
     if problems:
         raise _refuse(problems, param)
     check_validator(schema, param)
+
+
+def _distinct_patterns(schema: object) -> int:
+    """How many distinct ``pattern`` strings ``schema`` holds, counted without recursion."""
+    found: set[str] = set()
+    stack: list[object] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                found.add(node["pattern"])
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return len(found)
 
 
 def check_validator(schema: object, param: str = SCHEMA_PARAM) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -179,8 +180,8 @@ def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
     choice = _choice(request)
     name = forced_name(choice)
     problems: list[Problem] = []
-    if len(tools) > MAX_TOOLS:
-        problems.append(Problem(f"at most {MAX_TOOLS} tools per request", param="tools"))
+    if len(tools) > MAX_TOOLS:  # nothing else is checked: the list may be of any length
+        return [Problem(f"at most {MAX_TOOLS} tools per request; this one has {len(tools)}", param="tools")]
     names = [t.function.name for t in tools]
     for index, tool in enumerate(tools):
         parameters = tool.function.parameters
@@ -190,7 +191,7 @@ def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
                 problems.append(Problem(f"the parameters schema {too_big}", param=f"tools[{index}].function.parameters"))
     if PARALLEL.sent(request) and not tools:
         ctx.ignored_fields.append("parallel_tool_calls")
-    duplicates = sorted({n for n in names if names.count(n) > 1})
+    duplicates = sorted(n for n, count in Counter(names).items() if count > 1)
     if duplicates:
         problems.append(Problem(f"tool names must be unique; repeated: {', '.join(duplicates)}", param="tools"))
     if choice == "required" and not tools:

@@ -253,6 +253,21 @@ def test_upload_limits_are_refused_by_name(make_server: Any) -> None:
         assert [f.filename for f in client.files.list()] == ["in.jsonl", "ok.jsonl"]  # nothing refused was kept
 
 
+def test_a_line_longer_than_a_request_body_fails_the_batch(make_server: Any) -> None:
+    """A line is one request: past ``--max-body-bytes`` it is refused by line number, as
+    the same body sent live is (413), before any line runs."""
+    with make_server(max_body_bytes=4096) as srv:
+        client = sdk(srv.base_url)
+        ask = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        big = {**ask, "messages": [{"role": "user", "content": "x" * 5000}]}
+        assert _live(srv.base_url, CHAT, big).status_code == 413
+        done = wait(client, submit(client, jsonl([line("a", ask), line("big", big), line("b", ask)])).id)
+        assert done.status == "failed" and done.errors is not None and done.errors.data is not None
+        assert [(e.line, e.code) for e in done.errors.data] == [(2, "line_too_long")]
+        assert "--max-body-bytes" in (done.errors.data[0].message or "")
+        assert done.request_counts is not None and done.request_counts.total == 0
+
+
 def test_cancel_stops_a_running_batch_with_partial_output(make_server: Any) -> None:
     from millm_core.config import load_settings
     from millm_core.server.app import build_host

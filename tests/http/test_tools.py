@@ -193,6 +193,7 @@ def test_a_forced_name_the_format_cannot_write_is_refused(tools_server: RunningS
         ({"tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice", "invalid_parameter"),
         ({"tools": [], "tool_choice": "required"}, "tool_choice", "invalid_parameter"),
         ({"tools": [WEATHER, WEATHER]}, "tools", "invalid_parameter"),
+        ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools", "invalid_parameter"),
         ({"response_format": {"type": "json_object"}}, "tools", "field_not_honoured"),
         ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name", "invalid_parameter"),
         ({"chat_template_kwargs": {"tools": TOOLS}}, "chat_template_kwargs.tools", "invalid_parameter"),

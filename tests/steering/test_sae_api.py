@@ -69,6 +69,27 @@ def test_lifecycle_and_refusals(make_server, tiny_engine, tmp_path: pathlib.Path
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "sae_not_found"
 
 
+def test_sae_roots_confine_where_saes_load_from(make_server, tiny_engine, tmp_path: pathlib.Path) -> None:  # type: ignore[no-untyped-def]
+    """With --sae-roots, a path outside every root is refused before anything is opened,
+    a symlink out of a root included; a path under one (or a root itself) loads."""
+    import os
+
+    d_model = tiny_engine.info.d_model
+    inside = write_sae(tmp_path / "roots" / "lab" / "layer_1", d_model)
+    outside = write_sae(tmp_path / "elsewhere" / "layer_1", d_model)
+    os.symlink(outside, tmp_path / "roots" / "lab" / "sneaky")
+    with make_server(sae_roots=(str(tmp_path / "roots"), str(tmp_path / "other"))) as srv:
+        api = srv.base_url + "/api/saes"
+        assert httpx.post(api, json={"path": inside, "id": "in"}).status_code == 201
+        for path in (outside, str(tmp_path / "roots" / "lab" / "sneaky"), str(tmp_path / "roots" / ".." / "elsewhere" / "layer_1"), "/etc/passwd"):
+            refused = httpx.post(api, json={"path": path})
+            error = refused.json()["error"]
+            assert (refused.status_code, error["code"], error["param"]) == (400, "sae_path_not_allowed", "path"), path
+        assert [s["id"] for s in httpx.get(api).json()["data"]] == ["in"]
+    with make_server() as srv:  # no roots: any readable path, as before
+        assert httpx.post(srv.base_url + "/api/saes", json={"path": outside, "id": "out"}).status_code == 201
+
+
 def test_registrations_survive_a_restart(make_server, tiny_engine, tmp_path: pathlib.Path) -> None:  # type: ignore[no-untyped-def]
     db = str(tmp_path / "millm.db")
     path = write_sae(tmp_path / "sae", tiny_engine.info.d_model)

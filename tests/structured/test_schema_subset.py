@@ -16,6 +16,7 @@ from millm_core.api import InvalidRequest
 from millm_plugins.structured.schema import (
     MAX_BYTES,
     MAX_DEPTH,
+    MAX_PATTERNS,
     MAX_PROPERTIES,
     ResponseFormatUnsupported,
     check_schema,
@@ -361,6 +362,25 @@ def test_size_limit() -> None:
     check_schema(_sized(MAX_BYTES))
     error = _refusal(_sized(MAX_BYTES + 1))
     assert f"{MAX_BYTES + 1} bytes" in error.message and error.problems[0].pointer == ""
+
+
+def test_size_and_pattern_count_are_checked_before_any_pattern_is_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiling a pattern costs; a schema of thousands of them (a 4 MiB body holds a
+    great many) is refused on the cheap limits alone, with nothing compiled."""
+    from millm_plugins.structured import schema as module
+
+    def patterns(n: int) -> dict[str, Any]:
+        return {"anyOf": [{"type": "string", "pattern": f"(?:a{i}|b{i})[a-z]{{0,8}}"} for i in range(n)]}
+
+    check_schema(patterns(MAX_PATTERNS))
+    compiled: list[str] = []
+    real = module._pattern_problem
+    monkeypatch.setattr(module, "_pattern_problem", lambda p: compiled.append(p) or real(p))
+    error = _refusal(patterns(MAX_PATTERNS + 1))
+    assert f"{MAX_PATTERNS + 1} distinct patterns" in error.message and len(error.problems) == 1
+    big = {**patterns(MAX_PATTERNS), "description": "x" * MAX_BYTES}
+    assert "bytes, over the limit" in _refusal(big).message and len(_refusal(big).problems) == 1
+    assert compiled == []
 
 
 def test_depth_limit() -> None:
