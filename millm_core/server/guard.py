@@ -1,14 +1,16 @@
 """ASGI middleware that guards every route before it runs: a cap on requests in flight
 (``--max-inflight``: slow-body clients cannot pile up; ``--read-timeout`` drops them), the
-optional API keys (``--api-key``), the optional Host allow-list (``--allowed-hosts``) and
-a JSON content type on writes to ``/api`` (so no cross-site "simple request" from a web
-page can change the server's state). Refusals take the OpenAI error shape.
+optional API keys (``--api-key``), the optional Host allow-list (``--allowed-hosts``), no
+write from a web page of another origin, and a JSON content type on writes to ``/api`` (so
+no cross-site "simple request" from a web page can change the server's state). Refusals
+take the OpenAI error shape.
 """
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -30,9 +32,28 @@ def _refusal(status: int, code: str, message: str, extra: list[tuple[bytes, byte
     return status, code, headers, body
 
 
+def _same_origin(origin: bytes, host: bytes) -> bool:
+    """Whether a browser's ``Origin`` (``scheme://host[:port]``, or ``null``) is the server
+    the request's ``Host`` names, default ports filled in."""
+    parts = urlsplit(origin.decode("latin-1").strip().lower())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return False
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:  # a port that is no number
+        return False
+    served = urlsplit("//" + host.decode("latin-1").strip().lower())
+    try:
+        served_port = served.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return False
+    return (parts.hostname, port) == (served.hostname, served_port)
+
+
 class GuardMiddleware:
     """Refuses, before any route runs: a missing or wrong bearer key (401
-    ``invalid_api_key``), a Host outside the allow-list (400 ``host_not_allowed``), a
+    ``invalid_api_key``), a Host outside the allow-list (400 ``host_not_allowed``), a write
+    whose ``Origin`` is not the server's own (403 ``cross_origin_write``), a
     write to ``/api`` without ``Content-Type: application/json`` (415
     ``unsupported_media_type``), and any request past ``max_inflight`` in flight (503
     ``server_busy``; health and readiness are never refused). Keys are compared in
@@ -67,6 +88,10 @@ class GuardMiddleware:
             if scheme.lower() != b"bearer" or not matched:
                 message = "Missing API key: send Authorization: Bearer <key>" if not given else "Invalid API key"
                 return _refusal(401, "invalid_api_key", message, [(b"www-authenticate", b'Bearer realm="millm"')])
+        if scope.get("method") in WRITE_METHODS and b"origin" in headers and not _same_origin(headers[b"origin"], headers.get(b"host", b"")):
+            # A browser names the page's origin on a cross-origin write; nothing else sends one
+            # (the SDKs, curl). Such a write is a form or fetch from another site: no CORS here.
+            return _refusal(403, "cross_origin_write", "A web page from another origin may not write to this server (its Origin is not this Host)")
         if path.startswith("/api/") and scope.get("method") in WRITE_METHODS and self._routed(scope):
             media = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
             if media != b"application/json":
