@@ -159,7 +159,7 @@ def token_budget(request: ChatCompletionRequest | CompletionRequest, prompts: li
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{longest + _int(asked)} tokens ({longest} in the prompt, {asked} for the completion). "
-                + (f"Shorten the prompt or lower {budget}." if longest < limit else "The prompt alone fills the context: shorten it."),
+                + (f"Shorten the prompt or lower '{budget}'." if longest < limit else "The prompt alone fills the context: shorten it."),
                 param=budget if longest < limit else prompt_param,  # the field that has to change
             )
         return _int(asked)

@@ -191,14 +191,49 @@ def test_a_pre_forward_wait_runs_before_the_rows_and_can_refuse(make_server) -> 
         assert plugin.order == ["first", "second"] * 2  # no row was made
 
 
+def builtin_plugins() -> dict[str, Any]:
+    """The core's own plugin and every installed one, by name."""
+    import importlib.metadata
+
+    from millm_core import builtin
+
+    return {builtin.NAME: builtin, **{ep.name: ep.load() for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT)}}
+
+
+def hook_orders(plugin: Any) -> dict[str, str]:
+    """The hooks ``plugin`` implements: "tryfirst", "trylast" or ""."""
+    declared = {}
+    for attr in dir(plugin):
+        opts = getattr(getattr(plugin, attr), f"{hookspecs.PROJECT}_impl", None)
+        if attr.startswith("millm_") and opts is not None:
+            declared[attr] = "tryfirst" if opts.get("tryfirst") else "trylast" if opts.get("trylast") else ""
+    return declared
+
+
+def test_each_hooks_built_in_line_names_every_plugin_that_implements_it() -> None:
+    """Under each hook's section in docs/hooks.md, the "*Built-in:*" paragraph names the
+    built-in plugins that implement it, all of them and no other."""
+    import re
+
+    docs = (ROOT / "docs" / "hooks.md").read_text()
+    plugins = builtin_plugins()
+    implementers: dict[str, set[str]] = {}
+    for name, plugin in plugins.items():
+        for hook in hook_orders(plugin):
+            implementers.setdefault(hook, set()).add(name)
+    for hook in HOOKS:
+        section = re.split(r"^##+ ", docs.split(f"### `{hook}(", 1)[1], maxsplit=1, flags=re.M)[0]
+        line = re.search(r"^\*Built-in:\*(.*?)(?:\n\n|\Z)", section, re.M | re.S)
+        named = set(re.findall(r"`([a-z0-9_.]+)`", line[1])) & set(plugins) if line else set()
+        assert named == implementers.get(hook, set()), f"{hook}: the docs name {sorted(named)}, the code {sorted(implementers.get(hook, set()))}"
+
+
 def test_the_hook_table_lists_what_each_builtin_plugin_implements() -> None:
     """docs/hooks.md's table of built-in plugins against the code: every installed plugin
     (and the core's own) has a row with its kind, every hook it implements and no other,
     and a hook's ``tryfirst``/``trylast`` is said where, and only where, it is declared."""
-    import importlib.metadata
     import re
 
-    from millm_core import builtin
     from millm_core.plugins import plugin_kind
 
     docs = (ROOT / "docs" / "hooks.md").read_text()
@@ -207,14 +242,10 @@ def test_the_hook_table_lists_what_each_builtin_plugin_implements() -> None:
     for line in table.splitlines()[2:]:
         name, kind, hooks = (cell.strip() for cell in line.strip("|").split(" | "))
         rows[name.strip("`")] = (kind, hooks)
-    plugins = {builtin.NAME: builtin, **{ep.name: ep.load() for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT)}}
+    plugins = builtin_plugins()
     assert sorted(rows) == sorted(plugins)
     for name, plugin in plugins.items():
-        declared = {}
-        for attr in dir(plugin):
-            opts = getattr(getattr(plugin, attr), f"{hookspecs.PROJECT}_impl", None)
-            if attr.startswith("millm_") and opts is not None:
-                declared[attr] = "tryfirst" if opts.get("tryfirst") else "trylast" if opts.get("trylast") else ""
+        declared = hook_orders(plugin)
         kind, hooks = rows[name]
         assert kind.split()[0] == plugin_kind(plugin), name
         listed: dict[str, str] = {}

@@ -1,7 +1,7 @@
 """ASGI middleware that guards every route before it runs: a cap on requests in flight
 (``--max-inflight``: slow-body clients cannot pile up; ``--read-timeout`` drops them), the
 optional API keys (``--api-key``), the optional Host allow-list (``--allowed-hosts``), no
-write from a web page of another origin, and a JSON content type on writes to ``/api`` (so
+form or text/plain write from a web page of another origin, and a JSON content type on writes to ``/api`` (so
 no cross-site "simple request" from a web page can change the server's state). Refusals
 take the OpenAI error shape.
 """
@@ -21,6 +21,8 @@ from ..contracts.errors import ErrorBody, ErrorResponse
 # Liveness and readiness stay open: orchestrators probe them without credentials.
 OPEN_PATHS = frozenset({"/api/health", "/api/health/ready"})
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# The media types a web page may send to another origin without a preflight (and none).
+SIMPLE_MEDIA = frozenset({b"", b"text/plain", b"multipart/form-data", b"application/x-www-form-urlencoded"})
 
 
 Refusal = tuple[int, str, list[tuple[bytes, bytes]], bytes]  # status, code, headers, body
@@ -53,7 +55,7 @@ def _same_origin(origin: bytes, host: bytes) -> bool:
 class GuardMiddleware:
     """Refuses, before any route runs: a missing or wrong bearer key (401
     ``invalid_api_key``), a Host outside the allow-list (400 ``host_not_allowed``), a write
-    whose ``Origin`` is not the server's own (403 ``cross_origin_write``), a
+    a web page of another origin can send without a preflight (403 ``cross_origin_write``), a
     write to ``/api`` without ``Content-Type: application/json`` (415
     ``unsupported_media_type``), and any request past ``max_inflight`` in flight (503
     ``server_busy``; health and readiness are never refused). Keys are compared in
@@ -88,9 +90,16 @@ class GuardMiddleware:
             if scheme.lower() != b"bearer" or not matched:
                 message = "Missing API key: send Authorization: Bearer <key>" if not given else "Invalid API key"
                 return _refusal(401, "invalid_api_key", message, [(b"www-authenticate", b'Bearer realm="millm"')])
-        if scope.get("method") in WRITE_METHODS and b"origin" in headers and not _same_origin(headers[b"origin"], headers.get(b"host", b"")):
-            # A browser names the page's origin on a cross-origin write; nothing else sends one
-            # (the SDKs, curl). Such a write is a form or fetch from another site: no CORS here.
+        if (
+            scope.get("method") in WRITE_METHODS
+            and b"origin" in headers
+            and b"authorization" not in headers
+            and headers.get(b"content-type", b"").split(b";")[0].strip().lower() in SIMPLE_MEDIA
+            and not _same_origin(headers[b"origin"], headers.get(b"host", b""))
+        ):
+            # What a page elsewhere can send without a preflight (a form, a text/plain fetch):
+            # the browser names the page's origin. A JSON write or one with a key cannot come
+            # from a page that way (millm answers no preflight), and the SDKs send no Origin.
             return _refusal(403, "cross_origin_write", "A web page from another origin may not write to this server (its Origin is not this Host)")
         if path.startswith("/api/") and scope.get("method") in WRITE_METHODS and self._routed(scope):
             media = headers.get(b"content-type", b"").split(b";")[0].strip().lower()

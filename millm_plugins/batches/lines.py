@@ -45,7 +45,10 @@ def read_lines(source: BinaryIO, limit: int) -> Iterator[bytes | Oversized]:
     whose content (without its break) is longer than ``limit`` bytes comes as
     :class:`Oversized`, so a batch file of one huge line is never held in memory."""
     while raw := source.readline(limit + 2):  # room for the content and a CRLF
-        if len(raw.rstrip(b"\r\n")) <= limit:
+        # A read that filled its limit without reaching a line break is part of a longer line
+        # (content of limit bytes and its CRLF would end in the break).
+        whole = raw.endswith(b"\n") or len(raw) < limit + 2
+        if whole and len(raw.rstrip(b"\r\n")) <= limit:
             yield raw
             continue
         length = len(raw)

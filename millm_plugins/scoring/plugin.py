@@ -153,8 +153,9 @@ def _problems_when_scoring(ctx: RequestContext, request: Any) -> Iterable[Proble
         elif len(set(allowed)) < len(allowed):
             # The log-probabilities are normalised over the set: a repeated id would count twice.
             repeated = sorted(t for t, n in Counter(allowed).items() if n > 1)
+            shown = ", ".join(map(str, repeated[:10])) + (f" and {len(repeated) - 10} more" if len(repeated) > 10 else "")
             yield Problem(
-                f"allowed_token_ids lists {repeated} more than once: each id is a member of the set the log-probabilities are "
+                f"allowed_token_ids lists {shown} more than once: each id is a member of the set the log-probabilities are "
                 "normalised over, so list it once",
                 param="allowed_token_ids",
                 code="invalid_scoring_request",

@@ -82,14 +82,16 @@ def allowed_sae_path(app: AppContext, path: str) -> None:
     roots = SAE_ROOTS.get(app.settings)
     if not roots:
         return
-    real = os.path.realpath(path)
+    refusal = InvalidRequest("SAEs load only from under the directories --sae-roots names; this path is elsewhere", param="path", code="sae_path_not_allowed")
+    try:
+        real = os.path.realpath(path)
+    except ValueError as exc:  # a NUL byte: no file has such a name
+        raise refusal from exc
     for root in roots:
         base = os.path.realpath(os.path.expanduser(root))
         if real == base or real.startswith(base.rstrip(os.sep) + os.sep):
             return
-    raise InvalidRequest(
-        f"SAEs load only from under --sae-roots ({', '.join(roots)}); {path!r} is elsewhere", param="path", code="sae_path_not_allowed"
-    )
+    raise refusal
 
 
 class RegisterSAE(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

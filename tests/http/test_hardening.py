@@ -82,8 +82,9 @@ def test_writes_to_api_need_a_json_content_type(server) -> None:  # type: ignore
 def test_a_web_page_of_another_origin_cannot_write(server) -> None:  # type: ignore[no-untyped-def]
     """A page elsewhere can post a form (multipart: a file upload) or text/plain JSON to
     any URL without a preflight; the browser names its origin, and the write is refused
-    before any route runs. Same-origin pages, and clients that send no Origin (the SDKs,
-    curl), write as before; reads are not affected."""
+    before any route runs. Same-origin pages, clients that send no Origin (the SDKs, curl)
+    and writes no page can send without a preflight (JSON, or with a key: a browser
+    extension, a proxy that rewrites Host) go through; reads are not affected."""
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     for origin in ("http://evil.example", "null", "http://127.0.0.1:1", "http://localhost:" + str(httpx.URL(server.base_url).port)):
         headers = {"Origin": origin, "Content-Type": "text/plain"}
@@ -92,6 +93,9 @@ def test_a_web_page_of_another_origin_cannot_write(server) -> None:  # type: ign
         upload = httpx.post(server.base_url + "/v1/files", headers={"Origin": origin}, data={"purpose": "batch"}, files={"file": ("a.jsonl", b"{}\n")})
         assert upload.status_code == 403, upload.text
         assert httpx.get(server.base_url + "/v1/models", headers={"Origin": origin}).status_code == 200
+        assert httpx.post(server.base_url + "/v1/chat/completions", headers={"Origin": origin}, json=chat).status_code == 200
+        keyed = {"Origin": origin, "Content-Type": "text/plain", "Authorization": "Bearer x"}
+        assert httpx.post(server.base_url + "/v1/chat/completions", headers=keyed, content=json.dumps(chat)).status_code == 200
     same = httpx.post(server.base_url + "/v1/chat/completions", headers={"Origin": server.base_url.upper().replace("HTTP", "http")}, json=chat)
     assert same.status_code == 200, same.text
     assert httpx.post(server.base_url + "/v1/chat/completions", json=chat).status_code == 200

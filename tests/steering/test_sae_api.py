@@ -81,7 +81,7 @@ def test_sae_roots_confine_where_saes_load_from(make_server, tiny_engine, tmp_pa
     with make_server(sae_roots=(str(tmp_path / "roots"), str(tmp_path / "other"))) as srv:
         api = srv.base_url + "/api/saes"
         assert httpx.post(api, json={"path": inside, "id": "in"}).status_code == 201
-        for path in (outside, str(tmp_path / "roots" / "lab" / "sneaky"), str(tmp_path / "roots" / ".." / "elsewhere" / "layer_1"), "/etc/passwd"):
+        for path in (outside, str(tmp_path / "roots" / "lab" / "sneaky"), str(tmp_path / "roots" / ".." / "elsewhere" / "layer_1"), "/etc/passwd", inside + "\x00"):
             refused = httpx.post(api, json={"path": path})
             error = refused.json()["error"]
             assert (refused.status_code, error["code"], error["param"]) == (400, "sae_path_not_allowed", "path"), path
