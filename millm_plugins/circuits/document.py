@@ -99,11 +99,13 @@ KNOWN_FIELDS = frozenset(f.name for f in msgspec.structs.fields(CircuitDocument)
 
 
 class Slice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The circuit at one layer: its SAE and the authored ``(index, strength)`` pairs."""
+    """The circuit at one layer: its SAE, the authored ``(index, strength)`` pairs, and the
+    SAE's width when the circuit was imported (None in circuits stored before it was kept)."""
 
     layer: int
     sae_id: str
     features: tuple[tuple[int, float], ...]
+    d_sae: int | None = None
 
 
 class Edge(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -187,7 +189,8 @@ def compile_document(doc: CircuitDocument, widths: Widths, clusters: Mapping[str
                 param="backing_cluster",
             )
     slices = tuple(
-        Slice(layer=layer, sae_id=sae_at[layer], features=tuple(sorted(features.get(layer, {}).items()))) for layer in sorted(sae_at)
+        Slice(layer=layer, sae_id=sae_at[layer], features=tuple(sorted(features.get(layer, {}).items())), d_sae=width_at[layer])
+        for layer in sorted(sae_at)
     )
     rung = min((e.rung for e in edges), default=0)
     circuit = Circuit(name=doc.name, slices=slices, edges=edges, rung=rung, intensity_range=declared, backing_cluster=doc.backing_cluster)

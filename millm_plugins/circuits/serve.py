@@ -89,7 +89,7 @@ def _full(row: Row, circuit: Circuit, live: Live, dial: Intensity | None, envelo
     base = Serving(id=row.id, name=row.name, rung=circuit.rung, mode=FULL, intensity=lam)
     for piece in circuit.slices:
         width = live.saes[piece.sae_id].d_sae
-        if any(index >= width for index, _ in piece.features):
+        if (piece.d_sae is not None and width != piece.d_sae) or any(index >= width for index, _ in piece.features):
             return replace(base, reason="width_mismatch")  # the SAE registered under that id changed since import
     authored = any(strength != 0.0 for piece in circuit.slices for _, strength in piece.features)
     slices = tuple((piece.layer, AppliedSet.build(piece.sae_id, [(i, s * lam) for i, s in piece.features])) for piece in circuit.slices)

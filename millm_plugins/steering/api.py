@@ -301,8 +301,15 @@ async def delete_sae(request: Request) -> Response:
 
 def attachment_layer(sae: SAE, asked: int | None) -> int:
     """Where an SAE attaches: the block output its recorded hook point is (a
-    ``hook_resid_pre`` of block N is block N-1's output), else the layer asked for."""
+    ``hook_resid_pre`` of block N is block N-1's output), else the layer asked for. An SAE
+    whose recorded hook point is not the residual stream is refused."""
     native = sae.hook_layer
+    if native is None and sae.hook_name:  # recorded, and not the residual stream (attention or MLP outputs, z, …)
+        raise InvalidRequest(
+            f"this SAE was trained on {sae.hook_name}, not on the residual stream between blocks, which is where millm reads "
+            "and steers: its features would mean nothing there",
+            param="layer",
+        )
     if native is not None and native < 0:
         raise InvalidRequest(
             f"this SAE reads {sae.hook_name} (the embeddings, before any block): there is no block output to steer there", param="layer"
@@ -365,6 +372,8 @@ async def _features(request: Request, body: FeatureQuery) -> Response:
     entry = entry_of(live, sae_id, body.layer)
     require_usable(live, entry)
     layer = entry[1]
+    if sae.encode_refusal is not None:  # as return_sae_activations and the probes: no unfaithful reading
+        raise InvalidRequest(f"SAE {sae_id!r} cannot be read faithfully: {sae.encode_refusal}", code="sae_encoding_unsupported")
     if not 1 <= body.top_k <= 100:
         raise InvalidRequest("top_k must be 1–100", param="top_k")
     model = next(iter(app.models), None)

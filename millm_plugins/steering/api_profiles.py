@@ -18,7 +18,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from millm_core.api import InvalidRequest, MillmError, NotFound, RouteDoc, app_context, convert
+from millm_core.api import InvalidRequest, MillmError, NotFound, RouteDoc, app_context, convert, parse_bool
 
 from .api import WRITE, LiveState, Route, body_of, dials_of, json_response, live_response, steering_state
 from .apply import Dials, profile_entry
@@ -119,7 +119,14 @@ def _validate(state: SteeringState, profile: Profile) -> None:
 
 
 def _replace(request: Request) -> bool:
-    return request.query_params.get("replace", "false").lower() in ("1", "true", "yes")
+    """``?replace=``: true or false (``1``/``0``, ``yes``/``no``, ``on``/``off``); anything else is refused."""
+    raw = request.query_params.get("replace")
+    if raw is None:
+        return False
+    try:
+        return parse_bool(raw)
+    except ValueError:
+        raise InvalidRequest("replace must be true or false", param="replace") from None
 
 
 async def _current(request: Request) -> Live:
@@ -260,9 +267,10 @@ async def import_profiles(request: Request) -> Response:
     all are written in one transaction. ``?replace=true`` overwrites profiles of the same
     name."""
     body = await body_of(request, ProfileExport)
+    overwrite = _replace(request)
     if body.format != EXPORT_FORMAT:
         raise InvalidRequest(f"format {body.format!r} is not {EXPORT_FORMAT}", param="format")
-    state, overwrite = steering_state(request), _replace(request)
+    state = steering_state(request)
     await asyncio.to_thread(_check_import, state, body)
     await state.commit(lambda live: replace(live, profiles=added(live.profiles, body.profiles, replace=overwrite)))
     return json_response(Imported(imported=[p.name for p in body.profiles]), status=201)
@@ -276,6 +284,7 @@ async def import_cluster(request: Request) -> Response:
     ``sae.layer`` whose width is ``sae.n_features``."""
     raw = await body_of(request, dict[str, Any])
     doc = convert(raw, ClusterDocument)
+    overwrite = _replace(request)
     state = steering_state(request)
     live = await state.refresh()
     # Attached, usable SAEs are loaded; an unusable attachment is never a candidate.
@@ -297,7 +306,6 @@ async def import_cluster(request: Request) -> Response:
     profile = cluster_profile(doc, candidates[0])
     assert profile.cluster is not None
     _check_dial_bounds(profile.cluster, dials, "budget")
-    overwrite = _replace(request)
     live = await state.commit(lambda live: replace(live, profiles=added(live.profiles, [profile], replace=overwrite, param="name")))
     known = {"name", "sae", "members", "budget"}
     ignored = sorted(k for k in raw if k not in known) if isinstance(raw, dict) else []

@@ -125,14 +125,15 @@ def check_layer(layer: int, param: str = "layer") -> None:
         raise InvalidRequest(f"layer must be in [0, {MAX_LAYER}]", param=param)
 
 
-def check_features(features: list[Feature], d_sae: int, prefix: str = "features") -> None:
-    """Indexes in ``[0, d_sae)`` and listed once; strengths finite."""
+def check_features(features: list[Feature], d_sae: int, prefix: str = "features", index_key: str = "index") -> None:
+    """Indexes in ``[0, d_sae)`` and listed once; strengths finite. ``index_key`` is the
+    index's name in the document the features came from (a cluster's ``feature_idx``)."""
     seen: set[int] = set()
     for position, feature in enumerate(features):
         if not 0 <= feature.index < d_sae:
-            raise InvalidFeatureIndex(f"feature index {feature.index} is outside [0, {d_sae})", param=f"{prefix}[{position}].index")
+            raise InvalidFeatureIndex(f"feature index {feature.index} is outside [0, {d_sae})", param=f"{prefix}[{position}].{index_key}")
         if feature.index in seen:
-            raise InvalidRequest(f"feature index {feature.index} is listed twice", param=f"{prefix}[{position}].index")
+            raise InvalidRequest(f"feature index {feature.index} is listed twice", param=f"{prefix}[{position}].{index_key}")
         seen.add(feature.index)
         _finite(feature.strength, f"{prefix}[{position}].strength")
 
@@ -163,7 +164,7 @@ def cluster_profile(doc: ClusterDocument, sae_id: str) -> Profile:
     """The profile a cluster document becomes: member strength × sign per feature (a
     ``sign`` with a negative strength flips it, as written)."""
     features = [Feature(index=m.feature_idx, strength=m.strength * _sign(m, i)) for i, m in enumerate(doc.members)]
-    check_features(features, doc.sae.n_features, prefix="members")
+    check_features(features, doc.sae.n_features, prefix="members", index_key="feature_idx")
     dial = Dial(intensity=1.0 if doc.budget.intensity is None else doc.budget.intensity, intensity_range=doc.budget.intensity_range)
     check_dial(dial)
     return Profile(name=doc.name, sae_id=sae_id, layer=doc.sae.layer, features=features, cluster=dial)

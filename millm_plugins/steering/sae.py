@@ -156,6 +156,10 @@ def _validate(path: str, arrays: dict[str, np.ndarray], architecture: str, k: in
         threshold = threshold.astype(np.float32)
     if architecture == "topk" and not (k and 0 < k <= d_sae):
         raise SAEFormatError(f"{path}: a topk SAE needs k in 1..{d_sae} in cfg.json", param="path")
+    named = {"W_enc": W_enc, "b_enc": b_enc, "W_dec": W_dec, "b_dec": b_dec, **({"threshold": threshold} if threshold is not None else {})}
+    for name, array in named.items():
+        if not np.isfinite(array).all():  # NaN or ±inf (or past float32's range): every encoding and delta would carry it
+            raise SAEFormatError(f"{path}: {name} holds NaN or infinite values (as float32)", param="path")
     return SAE(path, architecture, W_enc, b_enc, W_dec, b_dec, threshold, k if architecture == "topk" else None, apply_b_dec)
 
 

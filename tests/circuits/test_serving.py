@@ -439,3 +439,33 @@ def test_per_request_dials_on_circuit_steered_rows_of_one_shared_batch(srv, tiny
         assert resp.headers["x-millm-steering-intensity"] == alone.headers["x-millm-steering-intensity"]
         assert ("x-millm-circuit-rung" in resp.headers) == (dial != "off")
         assert resp.headers["x-millm-backend"] == "batched"
+
+
+def test_a_circuit_whose_sae_was_re_registered_at_another_width_does_not_steer(make_server, tiny_engine, sae_paths: dict[str, str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An SAE id registered again with another width is another SAE, even when the
+    circuit's feature indices still fit in it: the circuit reports width_mismatch and
+    steers nothing (never claims a validated circuit on SAEs it was not validated on)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from .conftest import setup_saes
+
+    d_model = tiny_engine.info.d_model
+    narrow = tmp_path / "narrow"
+    narrow.mkdir()
+    rng = np.random.default_rng(7)
+    arrays = {"W_enc": rng.normal(size=(d_model, 32)), "b_enc": np.zeros(32), "W_dec": rng.normal(size=(32, d_model)), "b_dec": np.zeros(d_model)}
+    save_file({k: v.astype(np.float32) for k, v in arrays.items()}, str(narrow / "sae_weights.safetensors"))
+    (narrow / "cfg.json").write_text(json.dumps({"d_in": d_model, "d_sae": 32, "architecture": "standard"}))
+    with make_server() as srv:
+        setup_saes(srv.base_url, sae_paths)
+        circuit = imported(srv.base_url, document("c", {0: ("alpha", [(3, 2.0)]), 1: ("beta", [(5, -1.0)])}, rungs=[2]), activate=True)
+        assert members(chat(srv.base_url).headers["x-millm-steering"]) == [("circuit", {"id": circuit["id"], "intensity": "1.0"})]
+        assert httpx.delete(srv.base_url + "/api/saes/alpha", headers=JSON).status_code == 200
+        assert httpx.post(srv.base_url + "/api/saes", json={"path": str(narrow), "id": "alpha"}).status_code == 201
+        assert httpx.post(srv.base_url + "/api/saes/alpha/attach", json={"layer": 0}).status_code == 200
+        [active] = httpx.get(srv.base_url + "/api/circuits/active").json()["active"]
+        assert (active["steering"]["steers"], active["steering"]["reason"]) == (False, "width_mismatch")
+        resp = chat(srv.base_url)
+        assert "circuit" not in resp.headers["x-millm-steering"] and "x-millm-circuit-rung" not in resp.headers
+        assert content(resp) == reference(tiny_engine, {})

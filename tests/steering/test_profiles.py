@@ -207,7 +207,13 @@ def test_export_and_import_round_trip_into_another_server(srv, make_server, saes
         assert httpx.get(other.base_url + "/api/profiles/export").json() == document
         again = httpx.post(other.base_url + "/api/profiles/import", json=document)
         assert (again.status_code, again.json()["error"]["code"]) == (409, "profile_exists")
+        for unclear in ("maybe", ""):  # neither true nor false: refused, never read as false
+            vague = httpx.post(other.base_url + f"/api/profiles/import?replace={unclear}", json=document)
+            assert (vague.status_code, vague.json()["error"]["param"]) == (400, "replace"), vague.text
+            vague = httpx.post(other.base_url + f"/api/clusters/import?replace={unclear}", json=cluster_doc("c1", [(5, 2.0)]))
+            assert (vague.status_code, vague.json()["error"]["param"]) == (400, "replace"), vague.text
         assert httpx.post(other.base_url + "/api/profiles/import?replace=true", json=document).status_code == 201
+        assert httpx.post(other.base_url + "/api/profiles/import?replace=off", json=document).status_code == 409
 
 
 # ------------------------------------------------------------------ clusters and the dial
@@ -225,7 +231,9 @@ def test_cluster_import_binds_to_the_attached_sae_and_reports_what_it_kept(srv) 
     wrong_width = httpx.post(srv.base_url + "/api/clusters/import", json={**cluster_doc("w", [(1, 1.0)]), "sae": {"layer": 1, "n_features": D_SAE + 1}})
     assert (wrong_width.status_code, wrong_width.json()["error"]["code"]) == (400, "sae_not_attached")
     bad_member = httpx.post(srv.base_url + "/api/clusters/import", json=cluster_doc("m", [(D_SAE, 1.0)]))
-    assert (bad_member.status_code, bad_member.json()["error"]["code"], bad_member.json()["error"]["param"]) == (400, "invalid_feature_index", "members[0].index")
+    assert (bad_member.status_code, bad_member.json()["error"]["code"], bad_member.json()["error"]["param"]) == (400, "invalid_feature_index", "members[0].feature_idx")
+    twice = httpx.post(srv.base_url + "/api/clusters/import", json=cluster_doc("t", [(1, 1.0), (1, 2.0)]))
+    assert (twice.status_code, twice.json()["error"]["param"]) == (400, "members[1].feature_idx")  # the document's own key
     # Keys a cluster document's parts do not declare are refused (a named SAE would bind nothing).
     named_sae = httpx.post(srv.base_url + "/api/clusters/import", json={**cluster_doc("n", [(1, 1.0)]), "sae": {"layer": 1, "n_features": D_SAE, "sae_id": "x"}})
     assert (named_sae.status_code, named_sae.json()["error"]["param"]) == (400, "sae.sae_id"), named_sae.text
@@ -278,6 +286,8 @@ def test_dial_off_turns_steering_off_without_validating_the_base(srv, tiny_engin
         assert resp.headers["x-millm-steering"] == "none" and float(resp.headers["x-millm-steering-intensity"]) == 0.0
         assert text(resp) == text(plain)
     assert chat(srv, profile="on-beta", steering_intensity=0.01).json()["error"]["code"] == "sae_not_attached"
+    missing = chat(srv, profile="nope", steering_intensity=0)  # a profile that does not exist is still named wrongly
+    assert (missing.status_code, missing.json()["error"]["param"]) == (404, "profile")
 
 
 @pytest.mark.parametrize("bad", [2.5, -0.1, "loud", True, "1.0"])

@@ -69,6 +69,39 @@ def test_lifecycle_and_refusals(make_server, tiny_engine, tmp_path: pathlib.Path
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "sae_not_found"
 
 
+def test_an_sae_with_non_finite_weights_is_refused(make_server, tiny_engine, tmp_path: pathlib.Path) -> None:  # type: ignore[no-untyped-def]
+    """NaN or infinite weights would poison every encoding and delta: refused by name at
+    registration, not registered and then read as nulls."""
+    from safetensors.numpy import load_file
+
+    d_model = tiny_engine.info.d_model
+    with make_server() as srv:
+        for name, value in (("W_enc", np.nan), ("b_enc", np.inf), ("W_dec", -np.inf)):
+            folder = pathlib.Path(write_sae(tmp_path / name, d_model))
+            arrays = load_file(str(folder / "sae_weights.safetensors"))
+            arrays[name].flat[3] = value
+            save_file(arrays, str(folder / "sae_weights.safetensors"))
+            refused = httpx.post(srv.base_url + "/api/saes", json={"path": str(folder), "id": name})
+            error = refused.json()["error"]
+            assert (refused.status_code, error["code"], error["param"]) == (400, "invalid_sae", "path") and name in error["message"]
+        assert httpx.get(srv.base_url + "/api/saes").json()["data"] == []
+
+
+def test_features_refuse_an_sae_millm_cannot_encode_faithfully(make_server, tiny_engine, tmp_path: pathlib.Path) -> None:  # type: ignore[no-untyped-def]
+    """An SAE whose cfg.json asks for an input normalisation millm does not apply is not
+    read by /features (as return_sae_activations and the probes refuse it), never answered
+    with values SAELens would not give."""
+    folder = pathlib.Path(write_sae(tmp_path / "normalised", tiny_engine.info.d_model))
+    cfg = json.loads((folder / "cfg.json").read_text())
+    (folder / "cfg.json").write_text(json.dumps({**cfg, "normalize_activations": "expected_average_only_in"}))
+    with make_server() as srv:
+        assert httpx.post(srv.base_url + "/api/saes", json={"path": str(folder), "id": "n"}).status_code == 201
+        assert httpx.post(srv.base_url + "/api/saes/n/attach", json={"layer": 1}).status_code == 200
+        refused = httpx.post(srv.base_url + "/api/saes/n/features", json={"text": "the sea", "top_k": 3})
+        error = refused.json()["error"]
+        assert (refused.status_code, error["code"]) == (400, "sae_encoding_unsupported") and "normalize_activations" in error["message"]
+
+
 def test_sae_roots_confine_where_saes_load_from(make_server, tiny_engine, tmp_path: pathlib.Path) -> None:  # type: ignore[no-untyped-def]
     """With --sae-roots, a path outside every root is refused before anything is opened,
     a symlink out of a root included; a path under one (or a root itself) loads."""
@@ -119,11 +152,15 @@ def test_the_hook_point_decides_the_layer(make_server, tiny_engine, tmp_path: pa
     pre = write_sae(tmp_path / "pre", d, seed=4, hook_name="blocks.1.hook_resid_pre")
     plain = write_sae(tmp_path / "plain", d, seed=4)
     first = write_sae(tmp_path / "first", d, seed=4, hook_name="blocks.0.hook_resid_pre")
+    attn = write_sae(tmp_path / "attn", d, seed=4, hook_name="blocks.1.attn.hook_z")
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}
     with make_server() as srv:
         url = srv.base_url + "/api/saes"
-        for path, name in ((pre, "pre"), (plain, "plain"), (first, "first")):
+        for path, name in ((pre, "pre"), (plain, "plain"), (first, "first"), (attn, "attn")):
             assert httpx.post(url, json={"path": path, "id": name}).status_code == 201
+        for body in ({"layer": 1}, {}):  # trained on another hook point than the residual stream: never attached
+            refused = httpx.post(url + "/attn/attach", json=body)
+            assert refused.status_code == 400 and "blocks.1.attn.hook_z" in refused.json()["error"]["message"], refused.text
         listed = httpx.get(url + "/pre").json()
         assert (listed["hook_name"], listed["hook_layer"]) == ("blocks.1.hook_resid_pre", 0)
         wrong = httpx.post(url + "/pre/attach", json={"layer": 1})
