@@ -1,7 +1,7 @@
 """Inline ``steering`` on a request: its shape, its rules, and what it applies.
 
-Rules (the API contract): ``sae_id`` may be omitted only when exactly one (SAE, layer)
-is attached; every ``index`` is in ``[0, d_sae)`` and listed once; ``strength`` is a finite
+Rules (the API contract): ``sae_id`` and ``layer`` may be omitted only while what is sent
+leaves exactly one attached (SAE, layer); every ``index`` is in ``[0, d_sae)`` and listed once; ``strength`` is a finite
 number (booleans refused) and is clamped to ±200 when applied, with the clamp counted;
 ``features: []`` means explicitly unsteered (and then ``sae_id`` is refused); ``steering``
 never comes with ``profile`` or ``steering_intensity``.
@@ -30,10 +30,11 @@ class Feature(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class InlineSteering(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The request's ``steering``: its own feature set, for this request only.
-    ``sae_id`` may be omitted when exactly one (SAE, layer) is attached; ``features: []``
-    runs explicitly unsteered."""
+    ``sae_id`` and ``layer`` pick the (SAE, layer) attachment it applies at; each may be
+    omitted while the rest leaves exactly one; ``features: []`` runs explicitly unsteered."""
 
     sae_id: str | None = None
+    layer: int | None = None
     features: list[Feature]
 
 
@@ -59,8 +60,9 @@ def check(steering: InlineSteering) -> list[Problem]:
         if feature.index in seen:
             problems.append(Problem(f"feature index {feature.index} is listed twice", param=f"steering.features[{position}].index"))
         seen.add(feature.index)
-    if not steering.features and steering.sae_id is not None:
-        problems.append(Problem("features: [] turns steering off on every SAE; sae_id cannot be given with it", param="steering.sae_id"))
+    for name in ("sae_id", "layer"):
+        if not steering.features and getattr(steering, name) is not None:
+            problems.append(Problem(f"features: [] turns steering off on every SAE; {name} cannot be given with it", param=f"steering.{name}"))
     return problems
 
 
@@ -95,21 +97,19 @@ def resolve(steering: InlineSteering, attachments: Iterable[tuple[str, int]], sa
 
 
 def target(steering: InlineSteering, attachments: Iterable[tuple[str, int]]) -> tuple[str, int]:
-    """The (SAE, layer) a non-empty set applies at, or the request's 400."""
+    """The (SAE, layer) a non-empty set applies at, or the request's 400: the attachments
+    that ``sae_id`` and ``layer`` (those sent) leave must be exactly one."""
     attached = list(attachments)
     if not attached:
         raise SAENotAttached("steering needs an attached SAE; none is attached (POST /api/saes/{id}/attach)", param="steering")
-    if steering.sae_id is None:
-        if len(attached) > 1:
-            listed = ", ".join(f"({s}, layer {layer})" for s, layer in attached)
-            raise InvalidRequest(f"several SAEs are attached: {listed}; name one with steering.sae_id", param="steering.sae_id")
-        sae_id, layer = attached[0]
-    else:
-        layers = [layer for s, layer in attached if s == steering.sae_id]
-        if not layers:
-            raise SAENotAttached(f"SAE {steering.sae_id!r} is not attached", param="steering.sae_id")
-        if len(layers) > 1:
-            listed = ", ".join(f"({steering.sae_id}, layer {layer})" for layer in layers)
-            raise InvalidRequest(f"SAE {steering.sae_id!r} is attached at several layers: {listed}", param="steering.sae_id")
-        sae_id, layer = steering.sae_id, layers[0]
-    return sae_id, layer
+    if steering.sae_id is not None and not any(s == steering.sae_id for s, _ in attached):
+        raise SAENotAttached(f"SAE {steering.sae_id!r} is not attached", param="steering.sae_id")
+    left = [(s, layer) for s, layer in attached if steering.sae_id in (None, s) and steering.layer in (None, layer)]
+    if not left:
+        named = f"SAE {steering.sae_id!r}" if steering.sae_id is not None else "no SAE"
+        raise SAENotAttached(f"{named} is attached at layer {steering.layer}", param="steering.layer")
+    if len(left) > 1:
+        listed = ", ".join(f"({s}, layer {layer})" for s, layer in left)
+        unnamed = [f"steering.{name}" for name in ("sae_id", "layer") if getattr(steering, name) is None]  # both sent: one fits
+        raise InvalidRequest(f"several attachments fit: {listed}; name one with {' and '.join(unnamed)}", param=unnamed[0])
+    return left[0]

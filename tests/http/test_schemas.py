@@ -58,7 +58,7 @@ def test_steering_is_published_with_its_real_schema() -> None:
     steering = schemas["ChatCompletionRequest"]["properties"]["steering"]
     assert steering["anyOf"][0] == {"$ref": "#/components/schemas/InlineSteering"}
     inline = schemas["InlineSteering"]
-    assert inline["required"] == ["features"] and set(inline["properties"]) == {"sae_id", "features"}
+    assert inline["required"] == ["features"] and set(inline["properties"]) == {"sae_id", "layer", "features"}
     assert schemas["Feature"]["required"] == ["index", "strength"]
 
 

@@ -123,7 +123,10 @@ def test_text_completions_take_the_same_rules(steered_server) -> None:  # type: 
         ({"sae_id": "alpha", "features": []}, {}, 400, "invalid_parameter", "steering.sae_id"),
         ({"features": [{"index": 1, "strength": 1}]}, {"profile": "p"}, 400, "invalid_parameter", "steering"),
         ({"features": [{"index": 1, "strength": 1}]}, {"steering_intensity": 1.0}, 400, "invalid_parameter", "steering"),
-        ({"features": [{"index": 1, "strength": 1}], "layer": 3}, {}, 400, "invalid_parameter", "steering.layer"),  # an unknown key
+        ({"features": [{"index": 1, "strength": 1}], "layer": 3}, {}, 400, "sae_not_attached", "steering.layer"),
+        ({"sae_id": "alpha", "features": [{"index": 1, "strength": 1}], "layer": 0}, {}, 400, "sae_not_attached", "steering.layer"),
+        ({"layer": 1, "features": []}, {}, 400, "invalid_parameter", "steering.layer"),
+        ({"features": [{"index": 1, "strength": 1}], "depth": 3}, {}, 400, "invalid_parameter", "steering.depth"),  # an unknown key
     ],
 )
 def test_rules(steered_server, steering: dict[str, Any], extra: dict[str, Any], status: int, code: str, param: str) -> None:  # type: ignore[no-untyped-def]
@@ -143,6 +146,26 @@ def test_ambiguity_names_every_attachment(steered_server) -> None:  # type: igno
         assert parse(named.headers["x-millm-steering"])[0][1]["layer"] == 0
     finally:
         httpx.post(steered_server.base_url + "/api/saes/beta/detach", json={})
+
+
+def test_layer_picks_one_attachment_of_an_sae_attached_at_several(steered_server) -> None:  # type: ignore[no-untyped-def]
+    """An SAE attached at two layers is steered at the one ``layer`` names, exactly as if
+    it were attached there alone; without ``layer`` the 400 lists both."""
+    steering = {"sae_id": "alpha", "features": [{"index": 3, "strength": 6.0}]}
+    assert httpx.post(steered_server.base_url + "/api/saes/alpha/attach", json={"layer": 0}).status_code == 200
+    try:
+        vague = chat(steered_server, steering=steering)
+        error = vague.json()["error"]
+        assert (vague.status_code, error["param"]) == (400, "steering.layer") and "(alpha, layer 0)" in error["message"] and "(alpha, layer 1)" in error["message"]
+        at_zero = chat(steered_server, steering={**steering, "layer": 0})
+        assert parse(at_zero.headers["x-millm-steering"])[0][1]["layer"] == 0
+        assert httpx.post(steered_server.base_url + "/api/saes/alpha/detach", json={"layer": 1}).status_code == 200
+        alone = chat(steered_server, steering=steering)  # alpha at layer 0 only: no layer needed
+        assert at_zero.json()["choices"][0]["message"]["content"] == alone.json()["choices"][0]["message"]["content"]
+        assert at_zero.json()["choices"][0]["message"]["content"] != chat(steered_server).json()["choices"][0]["message"]["content"]
+    finally:
+        httpx.post(steered_server.base_url + "/api/saes/alpha/detach", json={})
+        assert httpx.post(steered_server.base_url + "/api/saes/alpha/attach", json={"layer": 1}).status_code == 200
 
 
 def test_steered_and_unsteered_requests_at_once_each_get_their_own(steered_server) -> None:  # type: ignore[no-untyped-def]
