@@ -133,6 +133,7 @@ from .server.web import app_context, event_stream, json_response, read_json
 from .serving import serving_app, serving_settings, startup_load
 from .steering import AppliedSet
 from .store import Store
+from .templatevars import key_location, template_variables
 from .unknown import unknown_fields
 
 __all__ = [
@@ -243,6 +244,8 @@ __all__ = [
     "operator_chat_template",
     "refuse_tools_without_template",
     "hookimpl",
+    "key_location",
+    "template_variables",
     "json_response",
     "load_served_model",
     "local_revision",

@@ -34,7 +34,10 @@ class ChatRender:
     unused. ``tools`` becomes the template's ``tools`` variable (engines with
     :attr:`~millm_core.engine.Capability.TOOLS`). ``opening`` is text the assistant's turn
     starts with: it is part of the prompt, never of the response (a forced tool call's
-    opening, for example). A request with ``extra_messages`` renders each conversation in
+    opening, for example). ``template_kwargs`` start as the request's
+    ``chat_template_kwargs``; a plugin that acts on one of them itself (rather than
+    leaving it to the template) names it in ``read_kwargs``, so that a key the template
+    never reads is reported unused only when no plugin read it either. A request with ``extra_messages`` renders each conversation in
     its own ``ChatRender`` (``millm_render_chat`` runs once per conversation): read the
     sent messages from ``source``, never from ``request.messages``."""
 
@@ -43,6 +46,7 @@ class ChatRender:
     tools: list[dict[str, Any]] | None = None
     opening: str = ""
     rendered_fields: set[str] = field(default_factory=set)
+    read_kwargs: set[str] = field(default_factory=set)
     # Which of the request's conversations this is (0: ``messages``; i: ``extra_messages[i - 1]``)
     # and its messages as the request sent them (``ChatMessage``s, aligned with ``messages``).
     conversation: int = 0

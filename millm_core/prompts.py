@@ -16,6 +16,7 @@ from .engine import Capability
 from .errors import ContextLengthExceeded, InvalidRequest, MillmError, ServiceUnavailable
 from .pipeline_types import ChatRender
 from .registry import ServedModel
+from .templatevars import key_location, template_variables
 
 # Message fields every chat render reads; a plugin that renders another names it in
 # ``ChatRender.rendered_fields``, and any other sent message field is reported unused.
@@ -44,6 +45,17 @@ def _unread_message_fields(chat: ChatRender) -> list[str]:
             if name not in RENDERED_MESSAGE_FIELDS and name not in chat.rendered_fields and _sent(getattr(message, name)):
                 unread.append(f"{_where(chat.conversation)}[{index}].{name}")
     return unread
+
+
+def _unread_kwargs(engine: Any, kwargs: dict[str, Any], read: set[str]) -> list[str]:
+    """The request's template kwargs that neither the engine's chat template nor a plugin
+    reads. Only an engine that exposes its template's Jinja source (``chat_template``) can
+    tell; from any other nothing is reported."""
+    source = getattr(engine, "chat_template", None)
+    variables = template_variables(source) if isinstance(source, str) and kwargs else None
+    if variables is None:
+        return []
+    return [key for key in kwargs if key not in variables and key not in read]
 
 
 def with_opening(messages: list[dict[str, Any]], opening: str) -> list[dict[str, Any]]:
@@ -80,6 +92,7 @@ def prompt_ids(
         if "tools" in kwargs:  # the render's own parameter, set by plugins (the request's ``tools``)
             raise InvalidRequest("chat_template_kwargs may set template variables only; tools cannot be set by a request", param="chat_template_kwargs.tools")
         prompts: list[list[int]] = []
+        read: set[str] = set()
         for conversation, sent in enumerate(request.conversations()):
             chat = ChatRender(
                 messages=[{"role": m.role, "content": m.text()} for m in sent],
@@ -89,6 +102,7 @@ def prompt_ids(
             )
             if adjust is not None:
                 adjust(chat)
+            read |= chat.read_kwargs
             ctx.ignored_fields.extend(_unread_message_fields(chat))
             messages = with_opening(chat.messages, chat.opening)
             try:
@@ -100,6 +114,7 @@ def prompt_ids(
                 if conversation and exc.param == "messages":  # name the conversation that failed
                     exc.param = _where(conversation)
                 raise
+        ctx.ignored_fields.extend(key_location(key) for key in _unread_kwargs(engine, kwargs, read))
         return prompts
     add_special = request.add_special_tokens if _sent(request.add_special_tokens) else True
     # An empty prompt is returned as is: each path refuses it with its own error.

@@ -100,6 +100,7 @@ def millm_render_chat(ctx: RequestContext, request: Any, model: ServedModel, cha
     template = _template(model) or ""
     if fmt is None:
         return
+    chat.read_kwargs.add("enable_thinking")  # thinking on or off, whatever the template reads
     if "reasoning_content" in template:
         for message, target in zip(chat.source, chat.messages, strict=True):
             reasoning = getattr(message, "reasoning_content", None)
@@ -115,6 +116,11 @@ def millm_render_chat(ctx: RequestContext, request: Any, model: ServedModel, cha
         chat.template_kwargs["enable_thinking"] = False
     elif effort in ("minimal", "low", "medium", "high"):
         ctx.ignored_fields.append("reasoning_effort")  # only "none" and "max" change what runs
+    if chat.template_kwargs.get("enable_thinking") is False and "enable_thinking" not in template:
+        raise InvalidRequest(
+            "this model's chat template has no enable_thinking switch, so its reasoning cannot be turned off",
+            param="chat_template_kwargs.enable_thinking",
+        )
     ctx.stash[THINKING] = _thinking(request, chat)
     if chat.opening and ctx.stash[THINKING]:
         ctx.stash[DEFERRED] = chat.opening

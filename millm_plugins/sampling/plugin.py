@@ -12,6 +12,7 @@ from msgspec import Meta
 from millm_core.api import (
     GENERATION_ENDPOINTS,
     Capability,
+    ChatRender,
     Execution,
     FieldRule,
     Finalization,
@@ -89,14 +90,15 @@ def _sent(request: Any) -> dict[str, float]:
     return {name: float(value) for name, value in values.items() if _set(value)}
 
 
-def _effective(ctx: RequestContext, request: Any) -> dict[str, float]:
-    """Each sampling field: as sent, else its default for this model and mode. A greedy
-    request (sent temperature 0) gets no defaults: what it does not send is neutral."""
+def _effective(ctx: RequestContext, request: Any, mode: str | None = None) -> dict[str, float]:
+    """Each sampling field: as sent, else its default for this model and ``mode`` (the
+    request's own by default). A greedy request (sent temperature 0) gets no defaults:
+    what it does not send is neutral."""
     sent = _sent(request)
     if sent.get("temperature") == 0.0:
         return sent
     engine = ctx.model.engine if ctx.model is not None else None
-    values = {**defaults(ctx.settings, engine, mode_of(request)), **sent}
+    values = {**defaults(ctx.settings, engine, mode or mode_of(request)), **sent}
     if values.get("temperature") == 0.0:  # greedy by default: the other defaults are moot
         return {k: v for k, v in values.items() if k in sent or k == "temperature"}
     return values
@@ -126,6 +128,14 @@ def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
         Problem(f"{name} cannot change a greedy (temperature 0) draw; leave it out or sample with temperature > 0", param=name, code="invalid_sampling_parameter")
         for name in pointless
     ]
+
+
+@hookimpl
+def millm_render_chat(ctx: RequestContext, request: Any, model: ServedModel, chat: ChatRender) -> None:
+    """``chat_template_kwargs.enable_thinking`` picks which defaults the fields a request
+    leaves out take: read here whenever the two modes would sample this request differently."""
+    if _effective(ctx, request, "thinking") != _effective(ctx, request, "no-thinking"):
+        chat.read_kwargs.add("enable_thinking")
 
 
 @hookimpl

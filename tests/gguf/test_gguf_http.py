@@ -118,9 +118,11 @@ def test_tool_history_is_reported_and_template_kwargs_are_template_variables(ggu
     resp = post(gguf_server, "/v1/chat/completions", model="tiny:F32", messages=messages, max_tokens=4, chat_template_kwargs={"enable_thinking": False})
     assert resp.status_code == 200, resp.text
     ignored = resp.headers["x-millm-ignored-fields"]
-    assert '"chat_template_kwargs"' not in ignored and '"messages[1].tool_calls"' in ignored
     # The variables reach the template (tests/reasoning/test_reasoning_gguf.py renders one
-    # that reads them): an undefined one changes nothing, so the prompt is the same.
+    # that reads them); this template reads no enable_thinking, so the key changes nothing
+    # and is reported by name (the field itself is honoured).
+    assert '"chat_template_kwargs.enable_thinking"' in ignored and '"messages[1].tool_calls"' in ignored
+    assert '"chat_template_kwargs"' not in ignored
     plain = post(gguf_server, "/v1/chat/completions", model="tiny:F32", messages=messages, max_tokens=4)
     assert resp.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
 

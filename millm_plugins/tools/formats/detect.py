@@ -4,7 +4,8 @@ Data-driven: markers and shapes in the template text, never a model's name."""
 from __future__ import annotations
 
 import re
-from typing import Any
+
+from millm_core.api import template_variables
 
 from .base import CallFormat
 from .hermes import HERMES
@@ -44,29 +45,7 @@ def detect_format(template: str) -> CallFormat | None:
 def takes_tools(template: str) -> bool:
     """Whether the template reads the ``tools`` variable at all: the undeclared variables of the
     parsed template, or a word search when the template does not parse here."""
-    try:
-        import jinja2
-        import jinja2.meta
-    except ImportError:  # pragma: no cover - jinja2 comes with the transformers engine
+    found = template_variables(template)
+    if found is None:
         return bool(_TOOLS_WORD.search(template))
-    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _generation_tags()])
-    try:
-        parsed = env.parse(template)
-    except jinja2.TemplateSyntaxError:
-        return bool(_TOOLS_WORD.search(template))
-    return "tools" in jinja2.meta.find_undeclared_variables(parsed)
-
-
-def _generation_tags() -> type:
-    """An extension reading transformers' ``{% generation %}…{% endgeneration %}`` (which marks
-    the assistant's tokens) as a plain block, so such templates parse here too."""
-    from jinja2.ext import Extension
-
-    class GenerationTags(Extension):
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            next(parser.stream)
-            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-    return GenerationTags
+    return "tools" in found
