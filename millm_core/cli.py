@@ -41,7 +41,7 @@ _HELP = {
     "default_max_tokens": "completion budget when a request sends no max_tokens (default 1024; 0: up to the context window)",
     "max_rows_per_request": "rows (prompts × n) one request may run at once; more is 400 (default 64)",
     "api_key": "comma-separated bearer keys required on every route but /api/health and /api/health/ready (prefer the env var)",
-    "allowed_hosts": "comma-separated Host header values accepted (default: any)",
+    "allowed_hosts": "comma-separated Host header values accepted, * for any (default: localhost, 127.0.0.1 and [::1] on a loopback address, else any)",
     "read_timeout": "seconds a client may take to send its request (default 30)",
     "max_inflight": "HTTP requests in flight (reading, queued or running) before new ones get 503 server_busy (default 256)",
     "max_connections": "open client connections at once; more wait unaccepted until one closes (default 512, 0: no cap)",

@@ -34,7 +34,7 @@ from ..scheduler import Scheduler
 from ..store import Store, default_db_path
 from .dispatch import bind_dispatch
 from .errors import handle_http_exception, handle_millm_error, handle_unexpected
-from .guard import GuardMiddleware
+from .guard import GuardMiddleware, host_allow_list
 from .middleware import RequestIdMiddleware
 from .routes.common import chat_completions, completions
 from .routes.health import api_docs, health, inference, openapi, ready
@@ -199,7 +199,7 @@ def create_app(
     # Added last = outermost: every refusal the guard makes carries its X-Request-Id, and
     # every response (refusals included) is counted and logged once.
     app.add_middleware(
-        GuardMiddleware, api_keys=settings.api_key, allowed_hosts=settings.allowed_hosts, max_inflight=settings.max_inflight,
+        GuardMiddleware, api_keys=settings.api_key, allowed_hosts=host_allow_list(settings.allowed_hosts, settings.host), max_inflight=settings.max_inflight,
         routes=lambda: app.routes,
     )  # fmt: skip
     app.add_middleware(AccessMiddleware, metrics=metrics, routes=lambda: app.routes)

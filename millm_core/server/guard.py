@@ -1,6 +1,7 @@
 """ASGI middleware that guards every route before it runs: a cap on requests in flight
 (``--max-inflight``: slow-body clients cannot pile up; ``--read-timeout`` drops them), the
-optional API keys (``--api-key``), the optional Host allow-list (``--allowed-hosts``), no
+optional API keys (``--api-key``), the Host allow-list (``--allowed-hosts``; local names by
+default on a loopback address, against DNS rebinding), no
 form or text/plain write from a web page of another origin, and a JSON content type on writes to ``/api`` (so
 no cross-site "simple request" from a web page can change the server's state). Refusals
 take the OpenAI error shape.
@@ -9,6 +10,7 @@ take the OpenAI error shape.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
@@ -26,6 +28,26 @@ SIMPLE_MEDIA = frozenset({b"", b"text/plain", b"multipart/form-data", b"applicat
 
 
 Refusal = tuple[int, str, list[tuple[bytes, bytes]], bytes]  # status, code, headers, body
+
+ANY_HOST = "*"
+LOCAL_NAMES = ("localhost", "127.0.0.1", "[::1]")
+
+
+def host_allow_list(allowed: tuple[str, ...], bind: str) -> tuple[str, ...]:
+    """The ``Host`` values the server answers for: ``allowed`` as given (``*``: any, the
+    empty tuple); when none are given, the local names if the server listens on a loopback
+    address (a browser page whose name a DNS server rebinds to 127.0.0.1 then sends its
+    own name as ``Host`` and is refused, as Ollama and Jupyter do), else any."""
+    if allowed:
+        return () if ANY_HOST in allowed else allowed
+    name = bind.strip().strip("[]").lower()
+    try:
+        loopback = name == "localhost" or ipaddress.ip_address(name).is_loopback
+    except ValueError:  # a host name other than localhost: it may be any interface's
+        loopback = False
+    if not loopback:
+        return ()
+    return tuple(dict.fromkeys((*LOCAL_NAMES, f"[{name}]" if ":" in name else name)))
 
 
 def _refusal(status: int, code: str, message: str, extra: list[tuple[bytes, bytes]] | None = None) -> Refusal:
@@ -79,7 +101,11 @@ class GuardMiddleware:
             host = headers.get(b"host", b"").decode("latin-1").lower()
             name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
             if name not in self._hosts and host not in self._hosts:
-                return _refusal(400, "host_not_allowed", "The Host header names a host this server does not answer for (--allowed-hosts)")
+                return _refusal(
+                    400, "host_not_allowed",
+                    "The Host header names a host this server does not answer for (--allowed-hosts sets the names, * any; "
+                    "a server on a loopback address answers for localhost, 127.0.0.1 and [::1] unless told otherwise)",
+                )  # fmt: skip
         if self._keys and path not in OPEN_PATHS:
             given = headers.get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")

@@ -10,8 +10,12 @@ restarting a replica that dies.
     from millm_plugins.rayserve.deployment import build_app
 
     ray.init()
-    serve.start(http_options={"host": "0.0.0.0", "port": 8000})
-    serve.run(build_app(serving_settings({"model": "/models/x", "db": "/data/millm.db"}), num_replicas=2), route_prefix="/")
+    settings = serving_settings({"model": "/models/x", "db": "/data/millm.db", "host": "0.0.0.0"})
+    serve.start(http_options={"host": settings.host, "port": 8000})
+    serve.run(build_app(settings, num_replicas=2), route_prefix="/")
+
+``settings.host`` is where Ray's proxy listens: the replicas' Host allow-list follows it
+(local names only on a loopback address, see ``--allowed-hosts``).
 """
 
 from __future__ import annotations

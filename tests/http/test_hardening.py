@@ -61,10 +61,39 @@ def test_api_keys_guard_every_route_but_health(make_server) -> None:  # type: ig
 
 
 def test_host_allow_list(make_server) -> None:  # type: ignore[no-untyped-def]
-    with make_server(allowed_hosts=("127.0.0.1", "localhost")) as srv:
+    with make_server(allowed_hosts=("127.0.0.1", "my.server")) as srv:
         assert httpx.get(srv.base_url + "/v1/models").status_code == 200
-        rebound = httpx.get(srv.base_url + "/v1/models", headers={"Host": "attacker.example:8000"})
-        assert rebound.status_code == 400 and rebound.json()["error"]["code"] == "host_not_allowed"
+        assert httpx.get(srv.base_url + "/v1/models", headers={"Host": "My.Server:8000"}).status_code == 200
+        for host in ("attacker.example:8000", "localhost"):  # the list replaces the local default
+            rebound = httpx.get(srv.base_url + "/v1/models", headers={"Host": host})
+            assert rebound.status_code == 400 and rebound.json()["error"]["code"] == "host_not_allowed", host
+    with make_server(allowed_hosts=("*",)) as srv:
+        assert httpx.get(srv.base_url + "/v1/models", headers={"Host": "attacker.example:8000"}).status_code == 200
+
+
+def test_a_loopback_server_answers_only_local_host_names_by_default(server) -> None:  # type: ignore[no-untyped-def]
+    """DNS rebinding: a page whose name resolves to 127.0.0.1 sends its own name as Host
+    (and its requests are then same-origin for the browser: it could read the answers)."""
+    port = httpx.URL(server.base_url).port
+    for host in ("attacker.example", f"attacker.example:{port}", "127.0.0.1.nip.io", "localhost.attacker.example"):
+        resp = httpx.post(server.base_url + "/v1/chat/completions", headers={"Host": host}, json={"model": "tiny", "messages": MESSAGES, "max_tokens": 1})
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "host_not_allowed", host
+        assert "--allowed-hosts" in resp.json()["error"]["message"]
+    for host in (f"localhost:{port}", "LOCALHOST", f"127.0.0.1:{port}", f"[::1]:{port}", "[::1]"):
+        assert httpx.get(server.base_url + "/v1/models", headers={"Host": host}).status_code == 200, host
+
+
+def test_the_default_host_list_follows_the_listening_address() -> None:
+    from millm_core.server.guard import host_allow_list
+
+    local = ("localhost", "127.0.0.1", "[::1]")
+    assert host_allow_list((), "127.0.0.1") == local
+    assert host_allow_list((), "localhost") == local
+    assert host_allow_list((), "127.0.0.2") == (*local, "127.0.0.2")
+    assert host_allow_list((), "::1") == host_allow_list((), "[::1]") == local
+    for anywhere in ("0.0.0.0", "::", "192.168.1.5", "my.server"):
+        assert host_allow_list((), anywhere) == ()  # any Host
+    assert host_allow_list(("*",), "127.0.0.1") == () and host_allow_list(("a", "b"), "127.0.0.1") == ("a", "b")
 
 
 def test_writes_to_api_need_a_json_content_type(server) -> None:  # type: ignore[no-untyped-def]
