@@ -18,7 +18,7 @@ import pytest
 from millm_core.api import ConfigError, ModelLocation, RowSpec, SamplingParams
 from millm_core.config import load_settings
 from millm_core.conformance import EngineConformance, drive, registered_factory
-from millm_core.engine import Engine, EngineFactory, JoinTogether
+from millm_core.engine import Capability, Embedder, Engine, EngineFactory, JoinTogether, Scorer
 from millm_core.loading import load, locate
 from millm_core.registry import ServedModel
 from millm_core.server.app import build_host
@@ -109,6 +109,21 @@ class TestExampleEngineConformance(EngineConformance):
         """The example engine joins one request at a time: it is not JoinTogether (the
         core then joins its requests one by one, covered by the joining tests)."""
         assert not isinstance(conformance_engine, JoinTogether)
+
+    # The suite skips what an engine does not offer; these say so by asserting it instead.
+    def test_temperature_zero_is_the_argmax(self, conformance_engine: Engine) -> None:
+        """Not a Scorer; its greedy walk is checked against the bigram table itself
+        (test_the_reference_walk_is_not_trivial and the HTTP tests below)."""
+        assert not isinstance(conformance_engine, Scorer) and Capability.SCORING not in conformance_engine.capabilities
+
+    def test_taps_read_each_row_as_alone(self, conformance_engine: Engine) -> None:
+        assert Capability.TAPS not in conformance_engine.capabilities  # a bigram table has no residual stream
+
+    def test_rewind_takes_tokens_back(self, conformance_engine: Engine) -> None:
+        assert Capability.REWIND not in conformance_engine.capabilities
+
+    def test_embeddings_do_not_depend_on_the_batch(self, conformance_engine: Engine) -> None:
+        assert not isinstance(conformance_engine, Embedder) and Capability.EMBEDDINGS not in conformance_engine.capabilities
 
 
 def test_the_reference_walk_is_not_trivial(model_path: str) -> None:

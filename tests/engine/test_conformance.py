@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from millm_core.api import Engine, EngineFactory, JoinTogether, ModelLocation, ServedModel
+from millm_core.api import Capability, Engine, EngineFactory, JoinTogether, ModelLocation, Scorer, ServedModel
 from millm_core.config import load_settings
 from millm_core.conformance import EngineConformance, registered_factory
 from millm_engines.gguf import plugin as gguf_plugin
@@ -59,3 +59,31 @@ class TestGGUFConformance(EngineConformance):
         """The GGUF engine joins one request at a time (a joining prompt shares its calls
         only with other rows' single tokens), so it is not JoinTogether."""
         assert not isinstance(conformance_engine, JoinTogether)
+
+    # The suite skips what an engine does not offer; these say so by asserting it instead.
+    def test_temperature_zero_is_the_argmax(self, conformance_engine: Engine) -> None:
+        """Not a Scorer (llama.cpp's logits are not read back); its greedy text equals the
+        transformers engine's on the same weights (tests/gguf/test_gguf_engine.py)."""
+        assert not isinstance(conformance_engine, Scorer) and Capability.SCORING not in conformance_engine.capabilities
+
+    def test_taps_read_each_row_as_alone(self, conformance_engine: Engine) -> None:
+        """llama.cpp exposes no residual stream: no taps."""
+        assert Capability.TAPS not in conformance_engine.capabilities
+
+
+class _OwnCapability:
+    """An engine declaring, beside its own, a capability named by a third party."""
+
+    def __init__(self, engine: Engine, name: str) -> None:
+        self._engine = engine
+        self.capabilities = engine.capabilities | {name}
+
+    def __getattr__(self, attr: str) -> object:
+        return getattr(self._engine, attr)
+
+
+def test_a_capability_of_a_third_partys_own_passes_the_declarations_check(tiny_engine: Engine, request: pytest.FixtureRequest) -> None:
+    suite = EngineConformance()
+    suite.test_capabilities_have_their_protocols(_OwnCapability(tiny_engine, "probes"), request)  # type: ignore[arg-type]
+    with pytest.raises(AssertionError, match="Capability members or names"):
+        suite.test_capabilities_have_their_protocols(_OwnCapability(tiny_engine, 7), request)  # type: ignore[arg-type]
