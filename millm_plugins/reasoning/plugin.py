@@ -163,7 +163,6 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
         redirect=thinking and rewinds,
         guard=guard,
         opening_ids=tuple(model.engine.encode(opening, add_special_tokens=False)) if opening else (),
-        max_tokens=plan.max_new_tokens,
     )
     rows = ctx.stash.setdefault(ROWS, list)
     engine = model.engine

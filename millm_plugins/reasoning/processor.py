@@ -39,14 +39,13 @@ class RowPolicy:
     (taken-back ones included) before the close is forced, so that the answer reserve
     holds (None: no limit); ``redirect``: an end of turn inside the block becomes its
     close; ``guard``: the loop guard (None: off); ``opening_ids``: a forced call's
-    opening, forced right after the close; ``max_tokens``: the row's token budget."""
+    opening, forced right after the close."""
 
     budget: int | None
     redirect: bool
     guard: LoopGuard | None
     opening_ids: tuple[int, ...] = ()
     spend: int | None = None
-    max_tokens: int = 0
 
 
 class Reasoning:
@@ -122,6 +121,8 @@ class Reasoning:
 
     def flush(self) -> str:
         if self._state == "reasoning":
+            if self._force:  # the row ended inside a close the plugin was writing: not reasoning
+                self._buf = self._buf[: len(self._buf) - _partial_suffix(self._buf, self._fmt.close)].rstrip("\n")
             self._emit_side(self._buf)
             self._buf = ""
             return ""
@@ -139,11 +140,10 @@ class Reasoning:
         return out
 
     def end_of_turn(self, token_id: int) -> bool:
-        """The redirect: an end of turn drawn inside the block becomes its close (when
-        the close still fits in the row's budget)."""
+        """The redirect: an end of turn drawn inside the block becomes its close. Where
+        the close and an answer no longer fit in the row's tokens, the row ends by length
+        (the truth: it ran out of tokens), never as a stop with reasoning only."""
         if self._state != "reasoning" or not self._policy.redirect or self._force:
-            return False
-        if self._policy.max_tokens and self.drawn + 1 + len(self._fmt.close_nl_ids) >= self._policy.max_tokens:
             return False
         self._redirects += 1
         self.redirected_at = self.drawn - self.rewound  # where the close begins in the output

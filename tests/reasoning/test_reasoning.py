@@ -182,6 +182,47 @@ def test_an_end_of_turn_inside_the_reasoning_becomes_its_close(srv: RunningServe
     assert (off.json()["choices"][0]["finish_reason"], off.headers["x-millm-reasoning"]) == ("stop", "off")
 
 
+def test_an_end_of_turn_with_little_room_left_still_closes_and_ends_by_length(srv: RunningServer, ref: Any) -> None:
+    """However few tokens are left, the end of turn is redirected: the turn never comes back
+    as a stop with reasoning only. Where the row runs out inside the close, it ends by
+    length and no piece of the close the plugin was writing shows in the reasoning."""
+    ids = prompt(ref, **OPEN)
+    [eos] = sorted(ref.eos_token_ids)
+    first = reference(ref, ids, 3)
+    close = close_ids(ref, texts(ref, first))
+    seen_partial = seen_whole = False
+    for max_tokens in range(5, 5 + len(close) + 1):
+        text = texts(ref, reference(ref, ids, max_tokens - 1, forcing(3, close)))  # the end of turn counts, as above
+        if CLOSE in text:
+            reasoning, answer = split(text)
+            seen_whole = True
+        else:
+            reasoning, answer = texts(ref, first).strip("\n"), ""
+            seen_partial = seen_partial or any(CLOSE.startswith(text.rstrip()[-n:]) for n in range(1, len(CLOSE)))
+        resp = chat(srv, [None, None, None, eos], chat_template_kwargs=OPEN, max_tokens=max_tokens)
+        got, choice = message(resp), resp.json()["choices"][0]
+        assert (got.get("reasoning_content"), got["content"], choice["finish_reason"]) == (reasoning, answer, "length"), max_tokens
+    assert seen_partial and seen_whole  # both cases ran
+
+
+def test_a_forced_close_cut_short_by_max_tokens_leaves_no_piece_of_it_in_the_reasoning(srv: RunningServer, ref: Any) -> None:
+    ids = prompt(ref, **OPEN)
+    cut = 0
+    for max_tokens in range(2, 12):
+        forced_at = max_tokens - max_tokens // 2  # a budget of 8, less the answer reserve (half of max_tokens here)
+        first = reference(ref, ids, forced_at)
+        text = texts(ref, reference(ref, ids, max_tokens, forcing(forced_at, close_ids(ref, texts(ref, first)))))
+        if CLOSE in text:
+            reasoning, answer = split(text)
+        else:
+            reasoning, answer = texts(ref, first).strip("\n"), ""
+            cut += 1
+        for got in (message(chat(srv, chat_template_kwargs=OPEN, thinking_budget=8, max_tokens=max_tokens)),
+                    dict(zip(("reasoning_content", "content"), stream(srv, chat_template_kwargs=OPEN, thinking_budget=8, max_tokens=max_tokens)[:2], strict=True))):  # fmt: skip
+            assert (got.get("reasoning_content"), got["content"]) == (reasoning, answer), max_tokens
+    assert cut >= 2  # closes cut short ran
+
+
 def _loop_expectation(ref: Any, ids: list[int], token: int, repeats: int, n: int) -> list[int]:
     """What a row forced to repeat ``token`` should keep: the guard takes the 16th copy
     back and bans ``token`` for the step that redraws it."""
