@@ -15,7 +15,7 @@ import structlog
 
 from . import __version__
 from .commands import Command
-from .config import PARSERS, PluginSetting, Settings, env_name, load_settings
+from .config import PARSERS, PluginSetting, Settings, blocked_plugins, env_name, load_settings
 from .errors import ConfigError
 from .logs import configure_logging
 
@@ -292,8 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .plugins import PluginHost
 
         configure_logging("console", "warning")  # plugin discovery, before the settings are known
-        declared = PluginHost.declared_settings()
-        commands = {c.name: c for c in PluginHost.declared_commands()}
+        blocked = blocked_plugins(sys.argv[1:] if argv is None else argv)
+        declared = PluginHost.declared_settings(blocked)
+        commands = {c.name: c for c in PluginHost.declared_commands(blocked)}
         args = build_parser(declared, list(commands.values())).parse_args(argv)
         settings = load_settings(_overrides(args, declared), plugin_settings=declared)
         configure_logging(settings.log_format, settings.log_level)

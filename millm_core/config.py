@@ -92,6 +92,25 @@ def _csv(value: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in value.split(",") if p.strip())
 
 
+def blocked_plugins(argv: Sequence[str] = (), environ: Mapping[str, str] | None = None, overrides: Mapping[str, object] | None = None) -> tuple[str, ...]:
+    """The plugins ``--block-plugins`` (in ``argv`` or ``overrides``), else
+    ``MILLM_BLOCK_PLUGINS``, leaves out: read before the plugins are discovered, so that a
+    blocked plugin is never imported (one that cannot import is then no obstacle)."""
+    value = overrides.get("block_plugins") if overrides else None
+    if isinstance(value, str):
+        return _csv(value)
+    if isinstance(value, tuple | list):
+        return tuple(str(v) for v in value)
+    flag = "--block-plugins"
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return _csv(argv[i + 1])
+        if arg.startswith(flag + "="):
+            return _csv(arg[len(flag) + 1 :])
+    environ = os.environ if environ is None else environ
+    return _csv(environ.get(env_name("block_plugins"), ""))
+
+
 def parse_bool(value: str) -> bool:
     """true/false, yes/no, on/off, 1/0 (any case), for flags and ``MILLM_*`` variables."""
     lowered = value.strip().lower()

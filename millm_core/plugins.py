@@ -68,7 +68,14 @@ class PluginHost:
     def register(self, plugin: object, name: str, *, origin: str = "direct") -> None:
         """Register a plugin object (module or instance) under ``name``. Raises
         ``ConfigError`` for a wrapper on a hook the host calls implementation by
-        implementation (see :data:`_CALLED_ONE_BY_ONE`)."""
+        implementation (see :data:`_CALLED_ONE_BY_ONE`), and for a name or plugin object
+        registered already (an installed plugin passed again, say)."""
+        for record in self.records:
+            if record.loaded and (record.name == name or self._pm.get_plugin(record.name) is plugin):
+                raise ConfigError(
+                    f"plugin {name!r} is registered already, as {record.name!r} from {record.origin}: an installed plugin is "
+                    "found through its entry point; do not register it again (or block the installed one)"
+                )
         self._pm.register(plugin, name=name)
         for hook in _CALLED_ONE_BY_ONE:
             for impl in getattr(self._pm.hook, hook).get_hookimpls():
@@ -94,7 +101,13 @@ class PluginHost:
         for ep in sorted(eps, key=lambda e: e.name):
             if ep.name in settings.block_plugins or self._pm.has_plugin(ep.name):
                 continue
-            plugin: ModuleType = ep.load()
+            try:
+                plugin: ModuleType = ep.load()
+            except Exception as exc:  # an installed plugin that cannot import: say which, and the way out
+                raise ConfigError(
+                    f"plugin {ep.name!r} ({ep.value}) could not be imported: {type(exc).__name__}: {exc}; "
+                    f"fix or uninstall it, or leave it out with --block-plugins {ep.name}"
+                ) from exc
             kind = plugin_kind(plugin)
             if kind not in INFRA_KINDS and allow is not None and ep.name not in allow:
                 self.records.append(PluginRecord(ep.name, kind, False, ep.value))
@@ -114,11 +127,11 @@ class PluginHost:
         return host
 
     @classmethod
-    def declared_settings(cls) -> list[PluginSetting[Any]]:
+    def declared_settings(cls, blocked: Iterable[str] = ()) -> list[PluginSetting[Any]]:
         """The settings every installed plugin declares, enabled or not (cheap: plugin
-        modules import no heavy libraries)."""
+        modules import no heavy libraries), except the ``blocked`` ones (never imported)."""
         host = cls()
-        host.discover(Settings())
+        host.discover(Settings(block_plugins=tuple(blocked)))
         return host.plugin_settings()
 
     def has(self, name: str) -> bool:
@@ -140,10 +153,10 @@ class PluginHost:
         return found
 
     @classmethod
-    def declared_commands(cls) -> list[Command]:
-        """The subcommands every installed plugin offers."""
+    def declared_commands(cls, blocked: Iterable[str] = ()) -> list[Command]:
+        """The subcommands every installed plugin but the ``blocked`` ones offers."""
         host = cls()
-        host.discover(Settings())
+        host.discover(Settings(block_plugins=tuple(blocked)))
         return host.commands()
 
     def engines(self) -> list[EngineFactory]:

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 
 from starlette.applications import Starlette
 
-from .config import Settings, load_settings
+from .config import Settings, blocked_plugins, load_settings
 from .loading import load, locate
 from .plugins import PluginHost
 from .registry import ServedModel
@@ -23,7 +23,8 @@ def serving_settings(overrides: Mapping[str, object] | None = None, environ: Map
     """Settings as ``millm serve`` builds them: ``MILLM_*`` environment variables (or
     ``environ``), then ``overrides`` (flag names with underscores), with the settings of
     every installed plugin declared. Raises ``ConfigError`` for a bad value."""
-    return load_settings(overrides, environ=environ, plugin_settings=PluginHost.declared_settings())
+    blocked = blocked_plugins(environ=environ, overrides=overrides)
+    return load_settings(overrides, environ=environ, plugin_settings=PluginHost.declared_settings(blocked))
 
 
 async def startup_load(app: Starlette) -> str | None:

@@ -4,6 +4,7 @@ real third-party package that refuses requests in validate."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -230,3 +231,50 @@ def test_a_wrapper_on_a_hook_called_one_by_one_is_refused_at_registration() -> N
     with pytest.raises(ConfigError, match="takes no wrappers"):
         host.register(_Wrapper(), "wrapper")
     assert "wrapper" not in host.names()
+
+
+def test_a_plugin_that_cannot_import_is_named_and_can_be_blocked(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An installed plugin whose module raises on import: every command says which plugin
+    and how to leave it out (no traceback), and --block-plugins or MILLM_BLOCK_PLUGINS
+    then work, because a blocked plugin is never imported."""
+    (tmp_path / "broken_plugin.py").write_text("raise ImportError('needs a library that is not installed')\n")
+    info = tmp_path / "broken_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[millm]\nbroken = broken_plugin\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env.pop("MILLM_BLOCK_PLUGINS", None)
+
+    def models(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "millm_core.cli", *args], env={**env, **extra}, capture_output=True, text=True, timeout=120)
+
+    for args in (("models",), ("serve", "--help")):
+        failed = models(*args)
+        assert failed.returncode == 2, failed.stderr
+        assert failed.stderr.strip() == (
+            "millm: plugin 'broken' (broken_plugin) could not be imported: ImportError: needs a library that is not installed; "
+            "fix or uninstall it, or leave it out with --block-plugins broken"
+        )
+    for run in (models("models", "--block-plugins", "broken"), models("models", "--block-plugins=broken"), models("models", MILLM_BLOCK_PLUGINS="broken")):
+        assert run.returncode == 0, run.stderr
+        assert "plugin sampling\tfeature\tloaded" in run.stdout and "broken" not in run.stdout
+
+
+def test_the_block_list_is_read_before_discovery() -> None:
+    from millm_core.config import blocked_plugins
+
+    assert blocked_plugins(["serve", "--block-plugins", "a, b"], environ={"MILLM_BLOCK_PLUGINS": "c"}) == ("a", "b")
+    assert blocked_plugins(["serve", "--block-plugins=a"], environ={}) == ("a",)
+    assert blocked_plugins(["serve"], environ={"MILLM_BLOCK_PLUGINS": "c,d"}) == ("c", "d")
+    assert blocked_plugins([], environ={}, overrides={"block_plugins": ("e",)}) == ("e",)
+    assert blocked_plugins([], environ={"MILLM_BLOCK_PLUGINS": "c"}, overrides={"block_plugins": "f"}) == ("f",)
+
+
+def test_passing_an_installed_plugin_again_says_so(installed_guard: str) -> None:
+    import millm_example_guard.plugin as guard  # type: ignore[import-not-found]
+
+    host = build_host(load_settings(environ={}))
+    assert host.has("guard")
+    for name in ("guard", "guard-again"):  # the same name, or the same module under another name
+        with pytest.raises(ConfigError, match=r"registered already, as 'guard' from millm_example_guard\.plugin.*do not register it again"):
+            host.register(guard, name)
