@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, cast
+from typing import Annotated, Any, Generic, TypeVar, cast
 
 import msgspec
-from msgspec import UNSET, UnsetType
+from msgspec import UNSET, Meta, UnsetType
 
 from .context import Endpoint
 from .errors import ConfigError
@@ -37,7 +37,8 @@ class RequestField(Generic[T]):
     ``neutral(value)`` says which sent values also ask for nothing (they are accepted
     everywhere, even where nothing honours the field). Owning a field honours it on
     ``endpoints`` when the engine has ``requires``; ``condition`` says when it applies, for
-    the policy table. Read it with :meth:`get` / :meth:`sent`.
+    the policy table; ``description`` is the field's description in ``/v1/openapi.json``.
+    Read it with :meth:`get` / :meth:`sent`.
     """
 
     name: str
@@ -90,7 +91,7 @@ def build_request_types(
         if not extra:
             built[endpoint] = base
             continue
-        spec = [(name, extra[name].type | None | UnsetType, UNSET) for name in sorted(extra)]
+        spec = [(name, _described(extra[name]) | None | UnsetType, UNSET) for name in sorted(extra)]
         joined = msgspec.defstruct(base.__name__, spec, bases=(base,), kw_only=True, module=base.__module__)
         joined.__doc__ = base.__doc__
         built[endpoint] = joined
@@ -100,6 +101,11 @@ def build_request_types(
 def owned_fields(fields: Iterable[RequestField[Any]], endpoint: Endpoint) -> dict[str, RequestField[Any]]:
     """The registered fields of one endpoint, by name."""
     return {f.name: f for f in fields if endpoint in f.endpoints}
+
+
+def _described(field: RequestField[Any]) -> Any:
+    """The field's type, carrying its ``description`` into the published schema."""
+    return Annotated[field.type, Meta(description=field.description)] if field.description else field.type
 
 
 def request_types_with(fields: Iterable[RequestField[Any]]) -> dict[Endpoint, type[msgspec.Struct]]:

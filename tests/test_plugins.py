@@ -142,6 +142,9 @@ def test_third_party_field_is_decoded_checked_published_and_in_the_policy(instal
         schemas = httpx.get(srv.base_url + "/v1/openapi.json").json()["components"]["schemas"]
         prop = schemas["ChatCompletionRequest"]["properties"]["guard_words"]
         assert {"type": "array", "maxItems": 8}.items() <= prop["anyOf"][0].items()
+        from millm_example_guard.plugin import WORDS  # type: ignore[import-not-found]
+
+        assert WORDS.description and prop["anyOf"][0]["description"] == WORDS.description  # the field's own words
         cells = [c for c in httpx.get(srv.base_url + "/api/policy").json()["data"] if c["field"] == "guard_words"]
         assert {(c["endpoint"], c["engine"], c["status"], c["by"]) for c in cells} == {
             (endpoint, engine, "honoured", "guard") for endpoint in ("chat.completions", "completions") for engine in ("transformers", "gguf")
