@@ -35,7 +35,6 @@ class Capability(enum.StrEnum):
     GENERATE = "generate"
     SEED = "seed"
     MULTIPLE_CHOICES = "multiple_choices"
-    LOGIT_BIAS = "logit_bias"
     STEERING = "steering"
     SCORING = "scoring"
     EMBEDDINGS = "embeddings"
