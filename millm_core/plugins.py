@@ -137,6 +137,35 @@ class PluginHost:
     def has(self, name: str) -> bool:
         return self._pm.has_plugin(name)
 
+    def culprit(self, exc: BaseException) -> str | None:
+        """The plugin whose code raised ``exc``: the innermost traceback frame in a
+        registered plugin's module (or its package's other modules); None when none is
+        (the core's own code, or a library called by the core)."""
+        owners: list[tuple[str, str]] = []
+        for name, plugin in self._pm.list_name_plugin():
+            if name == "core" or plugin is None:
+                continue
+            module = plugin.__name__ if isinstance(plugin, ModuleType) else type(plugin).__module__
+            package = module.rpartition(".")[0]
+            owners.append((name, module))
+            if package.count(".") >= 1 or (package and package not in ("millm_plugins", "millm_engines")):
+                owners.append((name, package + "."))
+        instances = {id(plugin): name for name, plugin in self._pm.list_name_plugin() if name != "core" and not isinstance(plugin, ModuleType)}
+        tb = exc.__traceback__
+        frames: list[Any] = []
+        while tb is not None:
+            frames.append(tb.tb_frame)
+            tb = tb.tb_next
+        for frame in reversed(frames):
+            bound = frame.f_locals.get("self")
+            if bound is not None and id(bound) in instances:  # a method of a plugin object
+                return instances[id(bound)]
+            module = str(frame.f_globals.get("__name__", ""))
+            for name, owner in owners:
+                if module == owner or (owner.endswith(".") and module.startswith(owner)):
+                    return name
+        return None
+
     def names(self) -> list[str]:
         return [r.name for r in self.records if r.loaded]
 

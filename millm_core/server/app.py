@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Message, Receive, Scope, Send
 
 from ..config import Settings
 from ..context import AppContext, Endpoint
@@ -33,7 +34,7 @@ from ..requestfields import build_request_types
 from ..scheduler import Scheduler
 from ..store import Store, default_db_path
 from .dispatch import bind_dispatch
-from .errors import handle_http_exception, handle_millm_error, handle_unexpected
+from .errors import LOGGED, handle_http_exception, handle_millm_error, handle_unexpected
 from .guard import GuardMiddleware, host_allow_list
 from .middleware import RequestIdMiddleware
 from .routes.common import chat_completions, completions
@@ -64,6 +65,28 @@ class Assembly:
     request_types: dict[Endpoint, type[msgspec.Struct]]
     policy: FieldPolicy
     embeddings: bool
+
+
+class MillmApp(Starlette):
+    """Starlette, except that an unexpected error the app has answered with its 500 and
+    logged (with the request id and the plugin that raised it) is not handed on to the
+    server, which would log the same traceback a second time. An error the app could not
+    answer in full (a stream already under way) still goes to the server."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        finished = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal finished
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished = True
+
+        try:
+            await super().__call__(scope, receive, tracked if scope["type"] == "http" else send)
+        except Exception as exc:
+            if not (finished and getattr(exc, LOGGED, False)):
+                raise
 
 
 def assemble(host: PluginHost) -> Assembly:
@@ -191,7 +214,7 @@ def create_app(
         Route("/metrics", metrics_route, methods=["GET"]),
     ]
     routes.extend(_merged_routes(host.routes()))
-    app = Starlette(
+    app = MillmApp(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={MillmError: handle_millm_error, HTTPException: handle_http_exception, Exception: handle_unexpected},

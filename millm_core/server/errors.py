@@ -12,6 +12,8 @@ from ..contracts.errors import ErrorBody, ErrorResponse
 from ..errors import MillmError
 
 log = structlog.get_logger("millm.errors")
+# Set on an exception the unexpected-error handler has logged (with its request id).
+LOGGED = "_millm_logged"
 
 _HTTP_CODES = {404: ("not_found", "invalid_request_error"), 405: ("method_not_allowed", "invalid_request_error")}
 
@@ -65,7 +67,10 @@ async def handle_unexpected(request: Request, exc: Exception) -> Response:
     # This handler runs outside the request-id middleware (Starlette's outermost error
     # layer), so the id is read from the scope and set here, in the log and the header.
     request_id = str(request.scope.get("state", {}).get("request_id", ""))
-    log.exception("unhandled_error", exc_type=type(exc).__name__, request_id=request_id)
+    state = getattr(request.app.state, "millm", None)
+    culprit = state.host.culprit(exc) if state is not None else None
+    log.exception("unhandled_error", exc_type=type(exc).__name__, request_id=request_id, **({"plugin": culprit} if culprit else {}))
+    setattr(exc, LOGGED, True)  # the app does not hand it on to the server to be logged again
     err = internal_error()
     _note_code(request, err.code)
     if request_id:

@@ -6,6 +6,7 @@ request cancelled when its client disconnects."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import socket
@@ -142,16 +143,72 @@ class Exploding:
         register("/api/test/explode", explode, ["GET"])
 
 
-def test_unexpected_500_carries_the_request_id_in_header_and_log(make_server) -> None:  # type: ignore[no-untyped-def]
+class ExplodingValidate:
+    @hookimpl
+    def millm_validate(self, ctx: Any, request: Any) -> None:
+        raise RuntimeError("a plugin bug")
+
+
+def test_unexpected_500_carries_the_request_id_and_the_plugin_once_in_the_log(make_server) -> None:  # type: ignore[no-untyped-def]
     from structlog.testing import capture_logs
 
     host = build_host(load_settings(environ={}))
     host.register(Exploding(), "exploding")
+    host.register(ExplodingValidate(), "buggy")
     with make_server(host=host) as srv, capture_logs() as logs:
         resp = httpx.get(srv.base_url + "/api/test/explode", headers={"X-Request-Id": "r7-probe"})
         assert resp.status_code == 500 and resp.json()["error"]["code"] == "internal_error"
         assert resp.headers["x-request-id"] == "r7-probe"
-    assert any(e["event"] == "unhandled_error" and e.get("request_id") == "r7-probe" for e in logs)
+        chat = httpx.post(srv.base_url + "/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 1}, headers={"X-Request-Id": "r8"})
+        assert chat.status_code == 500 and chat.headers["x-request-id"] == "r8"
+        # Logged once, by millm: the app answers the 500 and does not raise the same error on
+        # to the server (hypercorn would log its traceback a second time).
+        assert asyncio.run(_asgi_get(srv.app, "/api/test/explode"))[0]["status"] == 500
+    errors = {e.get("request_id"): e for e in logs if e["event"] == "unhandled_error"}
+    assert errors["r7-probe"]["plugin"] == "exploding" and errors["r8"]["plugin"] == "buggy"
+    assert errors["r8"]["exc_type"] == "RuntimeError"
+
+
+async def _asgi_get(app: Any, path: str) -> list[dict[str, Any]]:
+    """The messages ``app`` sends for ``GET path``, called as a server calls it."""
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http", "path": path,
+        "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": [(b"host", b"127.0.0.1")],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }  # fmt: skip
+    await app(scope, receive, send)
+    return sent
+
+
+def test_the_plugin_that_raised_is_found_in_the_traceback() -> None:
+    host = build_host(load_settings(environ={}))
+    host.register(ExplodingValidate(), "buggy")
+
+    def raised(fn: Any) -> BaseException:
+        """What ``fn`` raises, its traceback starting past this test's own frames (this
+        module also holds the plugin classes, which a server's stack would not)."""
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the exception is the subject
+            tb = exc.__traceback__
+            while tb is not None and tb.tb_frame.f_globals.get("__name__") == __name__ and tb.tb_frame.f_locals.get("self") is None:
+                tb = tb.tb_next
+            return exc.with_traceback(tb)
+        raise AssertionError("nothing raised")
+
+    assert host.culprit(raised(lambda: ExplodingValidate().millm_validate(None, None))) == "buggy"
+    from millm_plugins.sampling.defaults import parse_defaults
+
+    assert host.culprit(raised(lambda: parse_defaults("temperature=9"))) == "sampling"  # a module of the plugin's package
+    assert host.culprit(raised(lambda: load_settings({"port": "x"}, environ={}))) is None  # the core's own code
 
 
 def test_unseeded_requests_never_reuse_a_seed_from_the_request_id(server) -> None:  # type: ignore[no-untyped-def]
