@@ -31,6 +31,7 @@ The groups, in the order a plugin meets them:
 
 from __future__ import annotations
 
+from . import watching
 from .chatformat import (
     generic_chat_text,
     has_tool_history,
@@ -246,6 +247,7 @@ __all__ = [
     "hookimpl",
     "key_location",
     "template_variables",
+    "watching",
     "json_response",
     "load_served_model",
     "local_revision",

@@ -66,3 +66,33 @@ def test_plugins_and_engines_read_no_server_state() -> None:
         if ".state.millm" in line or "request.state" in line or 'scope["state"]' in line
     ]
     assert offending == []
+
+
+def _plugin_imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import of a ``millm_plugins`` module in ``path``."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("millm_plugins"):
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names if alias.name.startswith("millm_plugins")]
+        elif isinstance(node, ast.ImportFrom) and node.level >= 2:
+            found.append((node.lineno, "." * node.level + (node.module or "")))  # reaching out of its own package
+    return found
+
+
+def test_plugins_build_on_each_other_only_through_their_public_modules() -> None:
+    """A plugin that builds on another (circuits on steering, tools on structured, …) imports
+    only that plugin's ``public`` or ``contrib`` module: what docs/plugins.md lists, and what a
+    third party building on it would use."""
+    offending = []
+    for path in sorted(ROOT.glob("millm_plugins/**/*.py")):
+        own = path.relative_to(ROOT).parts[1]
+        for line, module in _plugin_imports(path):
+            parts = module.split(".")
+            if module.startswith(".") or parts[1:2] != [own] and (len(parts) != 3 or parts[2] not in ("public", "contrib")):
+                offending.append(f"{path.relative_to(ROOT)}:{line}: {module}")
+    assert offending == []
+    for public in ROOT.glob("millm_plugins/*/public.py"):  # each lists what it offers, all importable
+        module = __import__(f"millm_plugins.{public.parent.name}.public", fromlist=["__all__"])
+        assert module.__all__ and all(hasattr(module, name) for name in module.__all__)

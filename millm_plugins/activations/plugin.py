@@ -29,7 +29,7 @@ from millm_core.api import (
     hookimpl,
 )
 from millm_plugins.scoring.contrib import readers
-from millm_plugins.steering.api import STATE
+from millm_plugins.steering.public import STATE
 
 from .collect import Collector
 from .fields import FIELD, MAX_ENTRIES, MAX_TOP_K, ReturnSAEActivations

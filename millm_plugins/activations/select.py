@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from millm_core.api import InvalidRequest, Problem
-from millm_plugins.steering.inline import InvalidFeatureIndex, SAENotAttached
-from millm_plugins.steering.sae import SAE
+from millm_plugins.steering.public import SAE, InvalidFeatureIndex, SAENotAttached
 
 from .fields import PositionRange, ReturnSAEActivations
 

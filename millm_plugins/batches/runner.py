@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import structlog
 
 from millm_core.api import AppContext, Dispatched, Endpoint, declares, decode_json, dispatch
-from millm_plugins.lanes.plugin import LANES
+from millm_plugins.lanes.public import LANES
 
 from .disk import DataDir
 from .lines import Checked, check_lines, read_lines

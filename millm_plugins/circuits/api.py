@@ -32,11 +32,7 @@ from millm_core.api import (
     parse_bool,
     read_json,
 )
-from millm_plugins.steering.api import STATE, dials_of, plain_plan
-from millm_plugins.steering.apply import report
-from millm_plugins.steering.inline import Feature
-from millm_plugins.steering.intensity import clamped_bounds
-from millm_plugins.steering.registry import SteeringState
+from millm_plugins.steering.public import STATE, Feature, SteeringState, clamped_bounds, dials_of, plain_plan, report
 
 from .book import Book, CircuitState, Row, encode_body
 from .document import CircuitDocument, compile_document, ignored_fields

@@ -21,8 +21,7 @@ from typing import Any
 import msgspec
 
 from millm_core.api import InvalidRequest, NotFound
-from millm_plugins.steering.inline import InvalidFeatureIndex
-from millm_plugins.steering.profiles import Dial, Profile, check_dial, check_layer
+from millm_plugins.steering.public import Dial, InvalidFeatureIndex, Profile, check_dial, check_layer
 
 from .ladder import LADDER
 from .settings import MAX_EDGES, MAX_LAYERS, MAX_MEMBERS, Limits

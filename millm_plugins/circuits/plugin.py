@@ -19,10 +19,8 @@ from typing import Any
 import structlog
 
 from millm_core.api import AppContext, PluginSetting, hookimpl
-from millm_plugins.steering.api import STATE, dials_of
 from millm_plugins.steering.contrib import Contribution, contributors
-from millm_plugins.steering.intensity import Intensity
-from millm_plugins.steering.live import Live
+from millm_plugins.steering.public import STATE, Intensity, Live, dials_of
 
 from . import api, settings
 from .api import CIRCUITS, circuits_of

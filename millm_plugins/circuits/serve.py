@@ -31,10 +31,8 @@ from typing import Any
 import numpy as np
 
 from millm_core.api import AppliedSet, MillmError
-from millm_plugins.steering.apply import Dials, Entry, profile_entry
 from millm_plugins.steering.contrib import CircuitMember, Contribution
-from millm_plugins.steering.intensity import Intensity, is_off, resolve_clamped
-from millm_plugins.steering.live import CLAIMS_UNREADABLE, Live
+from millm_plugins.steering.public import CLAIMS_UNREADABLE, Dials, Entry, Intensity, Live, is_off, profile_entry, resolve_clamped
 
 from .book import Book, Row
 from .document import Circuit

@@ -25,9 +25,8 @@ from dataclasses import dataclass, field, replace
 import msgspec
 import structlog
 
-from millm_core.api import MillmError, NotFound, Store
+from millm_core.api import MillmError, NotFound, Store, watching
 
-from .. import watching
 from .detector import Detector
 from .document import ProbeDocument, Window
 

@@ -32,7 +32,7 @@ from millm_core.api import (
     hookimpl,
     with_opening,
 )
-from millm_plugins.scoring.plugin import is_scoring
+from millm_plugins.scoring.public import is_scoring
 
 from . import api, api_score, header
 from .book import ProbeBook

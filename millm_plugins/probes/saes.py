@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from millm_core.api import AppContext
-from millm_plugins.steering.api import STATE
+from millm_plugins.steering.public import STATE
 
 
 def attached_sae(app: AppContext, sae_id: str, layer: int) -> Any | None:

@@ -83,7 +83,7 @@ async def _adopt(app: AppContext) -> None:
     directory's lock when it is free (its holder died), and, holding it, drive every
     unfinished batch (``drive`` skips those already driven) and stop those another replica
     cancelled."""
-    from millm_plugins.batches.state import STATE
+    from millm_plugins.batches.public import STATE
 
     state = app.stash[STATE]
     runner, store = state.runner, state.store
@@ -114,7 +114,7 @@ class _Plugin:
     @staticmethod
     @hookimpl(trylast=True)  # after the batches plugin has put its state in the stash
     def millm_startup(app: AppContext) -> None:
-        from millm_plugins.batches.state import STATE
+        from millm_plugins.batches.public import STATE
 
         if STATE in app.stash:
             app.stash[ADOPTER] = asyncio.get_running_loop().create_task(_adopt(app), name="rayserve batches")

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from millm_plugins.tools.fields import FunctionName
+from millm_plugins.tools.public import FunctionName
 
 Role = Literal["user", "assistant", "system", "developer"]
 

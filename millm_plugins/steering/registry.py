@@ -28,9 +28,8 @@ from dataclasses import dataclass, field, replace
 
 import structlog
 
-from millm_core.api import Capability, InvalidRequest, MillmError, ModelInfo, NotFound, ServedModel, Store
+from millm_core.api import Capability, InvalidRequest, MillmError, ModelInfo, NotFound, ServedModel, Store, watching
 
-from .. import watching
 from . import live as persisted
 from .inline import SAENotAttached
 from .live import Entry, Live, Unusable

@@ -14,7 +14,7 @@ def pattern_parser(pattern: str, suffix: str, automaton: Any = None) -> Any:
     from lmformatenforcer import RegexParser
     from lmformatenforcer.characterlevelparser import SequenceParser, StringParser
 
-    from millm_plugins.structured.constraint import parser_config
+    from millm_plugins.structured.public import parser_config
 
     parser: Any = RegexParser(automaton if automaton is not None else pattern, parser_config())
     if suffix:

@@ -38,13 +38,22 @@ from millm_core.api import (
     TokenProcessor,
     hookimpl,
 )
-from millm_plugins.structured.automata import automata, shutdown_automata
-from millm_plugins.structured.budget import pattern_problem, schema_pattern_problems
-from millm_plugins.structured.cache import ready_vocab, vocab_for
-from millm_plugins.structured.lazy import LazyConstraint
-from millm_plugins.structured.lowering import schema_patterns
-from millm_plugins.structured.plugin import constraint_of
-from millm_plugins.structured.schema import MAX_BYTES, MAX_DEPTH, ResponseFormatUnsupported, check_schema, check_validator
+from millm_plugins.structured.public import (
+    MAX_BYTES,
+    MAX_DEPTH,
+    LazyConstraint,
+    ResponseFormatUnsupported,
+    automata,
+    check_schema,
+    check_validator,
+    constraint_of,
+    pattern_problem,
+    ready_vocab,
+    schema_pattern_problems,
+    schema_patterns,
+    shutdown_automata,
+    vocab_for,
+)
 
 from .fields import MAX_TOOLS, Tool, ToolChoice, forced_name, tool_dicts, unset
 from .formats import CallFormat, ForcedCall, detect_format, takes_tools

@@ -18,7 +18,7 @@ from typing import Any
 import jsonschema
 
 from millm_core.api import RowEnd
-from millm_plugins.structured.errors import ConstrainedOutputInvalid
+from millm_plugins.structured.public import ConstrainedOutputInvalid
 
 from .formats import CallFormat, ParsedCall, arguments_json, holdback
 

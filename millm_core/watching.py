@@ -5,7 +5,7 @@ replicas). A plugin whose requests read an in-memory snapshot of its tables keep
 row that every write of those tables moves, in the same transaction, and watches it: every
 ``REFRESH_S`` a task on the event loop reads the version off the loop (a worker thread) and,
 when it is not the snapshot's, re-reads the state and installs it. The steering and probes
-plugins share this.
+plugins use it; any plugin may, as ``millm_core.api.watching``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from millm_core.api import MillmError, Store
+from .errors import MillmError
+from .store import Store
 
 REFRESH_S = 0.1  # how often a server looks for another server's writes
 CONSISTENT_READ_TRIES = 5  # re-reads when a write lands in the middle of one
