@@ -35,6 +35,14 @@ class FileTooLarge(MillmError):
     code = "file_too_large"
 
 
+class StorageFull(MillmError):
+    """413: the stored batch files would take more than ``--batch-max-storage-bytes``."""
+
+    status = 413
+    type = "invalid_request_error"
+    code = "storage_limit_exceeded"
+
+
 class TooManyLines(InvalidRequest):
     """400: the uploaded file has more lines than ``--batch-max-lines``."""
 

@@ -1,7 +1,8 @@
 """``/v1/files``: upload a batch's input file (multipart, as the ``openai`` SDK sends it),
 list, read, fetch the content of and delete files. Content lives in the data directory,
 metadata in the database. The upload is streamed to disk and refused past
-``--batch-max-file-bytes`` (413) or ``--batch-max-lines`` (400), naming ``file``."""
+``--batch-max-file-bytes`` (413), ``--batch-max-lines`` (400) or, with every stored file,
+``--batch-max-storage-bytes`` (413), naming ``file``."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from starlette.types import Message, Receive
 
 from millm_core.api import FieldNotHonoured, InvalidRequest, MillmError, app_context, json_response
 
-from .disk import CHUNK, FileTooLarge
+from .disk import CHUNK, FileTooLarge, StorageFull
 from .objects import FileDeleted, FileList, FileObject, new_id
 from .paging import limit, query
 from .state import STATE, BatchesState, FileNotFound
@@ -112,6 +113,13 @@ async def _form_fields(request: Request, state: BatchesState) -> tuple[str, Uplo
 async def upload_file(request: Request) -> Response:
     """``POST /v1/files``."""
     state = _state(request)
+    stored = await asyncio.to_thread(state.store.stored_bytes)
+    if stored >= state.max_storage_bytes:  # full already: refused before the body is read
+        raise StorageFull(
+            f"the stored batch files take {stored} bytes, the {state.max_storage_bytes}-byte limit (--batch-max-storage-bytes): "
+            "delete files you no longer need",
+            param="file",
+        )
     _, upload, form = await _form_fields(request, state)
     file_id = new_id("file")
     try:
@@ -120,7 +128,7 @@ async def upload_file(request: Request) -> Response:
         await form.close()
     created = FileObject(id=file_id, filename=upload.filename or "upload.jsonl", purpose="batch", bytes=size, created_at=int(time.time()))
     try:
-        await asyncio.to_thread(state.store.add_file, created)
+        await asyncio.to_thread(state.store.add_file, created, state.max_storage_bytes)
     except BaseException:
         state.disk.remove(file_id)
         raise

@@ -48,6 +48,12 @@ DATA_DIR = PluginSetting(
 MAX_FILE_BYTES = PluginSetting(
     "batch_max_file_bytes", 200 * 1024 * 1024, "the largest file POST /v1/files accepts, in bytes (larger: 413)", _positive
 )
+MAX_STORAGE_BYTES = PluginSetting(
+    "batch_max_storage_bytes",
+    20 * 1024 * 1024 * 1024,
+    "the most bytes all stored batch files may take together, uploads and results (an upload past it: 413)",
+    _positive,
+)
 MAX_LINES = PluginSetting("batch_max_lines", 50_000, "the most lines a batch input file may have (more: 400)", _positive)
 CONCURRENCY = PluginSetting(
     "batch_concurrency", 4, "batch lines run at once, over all batches (they share decode steps with live requests)", _positive
@@ -56,7 +62,7 @@ CONCURRENCY = PluginSetting(
 
 @hookimpl
 def millm_register_settings(register: Callable[[PluginSetting[Any]], None]) -> None:
-    for setting in (DATA_DIR, MAX_FILE_BYTES, MAX_LINES, CONCURRENCY):
+    for setting in (DATA_DIR, MAX_FILE_BYTES, MAX_STORAGE_BYTES, MAX_LINES, CONCURRENCY):
         register(setting)
 
 
@@ -85,8 +91,9 @@ def millm_startup(app: AppContext) -> None:
     max_lines = MAX_LINES.get(app.settings)
     runner = Runner(app, store, disk, CONCURRENCY.get(app.settings), max_lines, active=running)
     app.stash[STATE] = BatchesState(
-        store=store, disk=disk, runner=runner, max_file_bytes=MAX_FILE_BYTES.get(app.settings), max_lines=max_lines
-    )
+        store=store, disk=disk, runner=runner, max_file_bytes=MAX_FILE_BYTES.get(app.settings), max_lines=max_lines,
+        max_storage_bytes=MAX_STORAGE_BYTES.get(app.settings),
+    )  # fmt: skip
     runner.start()
 
 

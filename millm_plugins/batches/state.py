@@ -20,6 +20,7 @@ class BatchesState:
     runner: Runner
     max_file_bytes: int
     max_lines: int
+    max_storage_bytes: int
 
 
 STATE = StashKey[BatchesState]("batches.state")

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from millm_core.api import MillmError, Store, decode_json, encode
 
+from .disk import StorageFull
 from .lines import Line
 from .objects import (
     FINISHED,
@@ -130,9 +131,24 @@ class BatchStore:
 
     # ------------------------------------------------------------------ files
 
-    def add_file(self, file: FileObject) -> None:
-        """Record an uploaded file (its content is on disk already)."""
+    def stored_bytes(self) -> int:
+        """What every stored file takes together, uploads and results."""
+        [(total,)] = self.store.query("SELECT COALESCE(SUM(bytes), 0) FROM batch_files")
+        return int(str(total))
+
+    def add_file(self, file: FileObject, limit: int | None = None) -> None:
+        """Record an uploaded file (its content is on disk already); with ``limit``, only
+        if every stored file then takes at most ``limit`` bytes (checked and written in one
+        transaction: two uploads cannot both slip under it), else :class:`StorageFull`."""
         with self.store.transaction() as conn:
+            if limit is not None:
+                stored = int(conn.execute("SELECT COALESCE(SUM(bytes), 0) FROM batch_files").fetchone()[0])
+                if stored + file.bytes > limit:
+                    raise StorageFull(
+                        f"the stored batch files take {stored} bytes; this {file.bytes}-byte file would pass the "
+                        f"{limit}-byte limit (--batch-max-storage-bytes): delete files you no longer need",
+                        param="file",
+                    )
             conn.execute(
                 "INSERT INTO batch_files (id, filename, purpose, bytes, created_at) VALUES (?, ?, ?, ?, ?)",
                 (file.id, file.filename, file.purpose, file.bytes, file.created_at),

@@ -253,6 +253,35 @@ def test_upload_limits_are_refused_by_name(make_server: Any) -> None:
         assert [f.filename for f in client.files.list()] == ["in.jsonl", "ok.jsonl"]  # nothing refused was kept
 
 
+def test_stored_files_have_a_total_limit(make_server: Any) -> None:
+    """Every stored file counts (uploads and results): an upload that would pass
+    --batch-max-storage-bytes is refused and not kept; deleting files makes room. A batch's
+    results are always stored (they may pass the limit: a batch never fails for them)."""
+    limit = 4000
+    with make_server(batch_max_storage_bytes=limit) as srv:
+        client = sdk(srv.base_url)
+        ask = jsonl([line("a", {"model": "tiny", "prompt": "x", "max_tokens": 2}, url="/v1/completions")])
+        first = client.files.create(file=("one.jsonl", ask * 10), purpose="batch")
+        second = client.files.create(file=("two.jsonl", ask), purpose="batch")
+        done = wait(client, client.batches.create(input_file_id=second.id, endpoint="/v1/completions", completion_window="24h").id)
+        assert done.status == "completed" and done.output_file_id
+        used = sum(f.bytes for f in client.files.list())
+        assert used > first.bytes + second.bytes  # the results count
+        room = limit - used
+        with pytest.raises(openai.APIStatusError) as full:
+            client.files.create(file=("too-big.jsonl", b"x" * (room + 1)), purpose="batch")
+        error = full.value.body
+        assert (full.value.status_code, error["code"], error["param"]) == (413, "storage_limit_exceeded", "file")  # type: ignore[index]
+        assert "--batch-max-storage-bytes" in error["message"]  # type: ignore[index]
+        assert len(client.files.list().data) == 3  # the refused upload was not kept
+        assert client.files.create(file=("fits.jsonl", b"{}" + b" " * (room - 3) + b"\n"), purpose="batch").bytes == room
+        # Full: refused before the body is read; deleting a file makes room again.
+        body, media = _multipart(b"{}\n")
+        assert httpx.post(srv.base_url + "/v1/files", content=body, headers={"Content-Type": media}).json()["error"]["code"] == "storage_limit_exceeded"
+        client.files.delete(first.id)
+        assert client.files.create(file=("again.jsonl", b"{}\n"), purpose="batch").bytes == 3
+
+
 def test_a_line_longer_than_a_request_body_fails_the_batch(make_server: Any) -> None:
     """A line is one request: past ``--max-body-bytes`` it is refused by line number, as
     the same body sent live is (413), before any line runs."""
