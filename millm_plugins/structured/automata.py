@@ -6,7 +6,8 @@ pure Python. The repeat-count budget (:mod:`.budget`) refuses the patterns whose
 are known to be large, but it reads counts only: a repeat spelled out by hand after an
 unbounded one (``.*a........b``) can still take seconds, or years. So no row builds its
 automaton itself: the request's pre-forward asks :class:`Automata` for each pattern's (one
-build per distinct pattern, kept for later requests), and waits for them before its rows
+build per distinct pattern, kept for later requests; at most :data:`PER_REQUEST` started by
+one request, so that one request never fills the queue), and waits for them before its rows
 join a batch (``ForwardPlan.add_wait``), at most :data:`BUILD_WAIT_S`. Builds run in a
 child process (:mod:`.fsmbuild`), one at a time, each stopped after
 :data:`BUILD_LIMIT_S`: a pattern whose build was stopped is refused from then on. A request
@@ -37,6 +38,9 @@ MAX_KEPT = 256
 """Automata kept for later requests; the least recently asked for is dropped first."""
 MAX_QUEUED = 8
 """Builds waiting or under way at most: a request with a new pattern past it gets a 503."""
+PER_REQUEST = 4
+"""Builds one request may start: a request with more new patterns starts this many and gets
+a 503 to retry (the next try starts the next ones), so that no request fills the queue."""
 
 AUTOMATA = StashKey["Automata"]("structured.automata")
 Refusal = Callable[[str], MillmError]
@@ -101,8 +105,20 @@ class Automata:
     def wait(self, patterns: Iterable[str], into: dict[str, Any], refuse: Refusal) -> Callable[[], Awaitable[None]]:
         """A wait for ``ForwardPlan.add_wait``: every pattern's automaton into ``into``
         (for the rows' parsers), or ``refuse(reason)`` raised for a pattern that cannot be
-        compiled, whose build was stopped, or that takes more than :data:`BUILD_WAIT_S`."""
-        futures = {pattern: self.future(pattern) for pattern in sorted(patterns)}
+        compiled, whose build was stopped, or that takes more than :data:`BUILD_WAIT_S`.
+        A request with more than :data:`PER_REQUEST` patterns not asked for before starts
+        that many builds and is refused with a 503 to retry."""
+        ordered = sorted(patterns)
+        new = [pattern for pattern in ordered if pattern not in self._built]
+        if len(new) > PER_REQUEST:
+            for pattern in new[:PER_REQUEST]:
+                self.future(pattern)
+            raise ServiceUnavailable(
+                f"{len(new)} of this request's regex patterns have no automaton yet; a request starts at most {PER_REQUEST} "
+                f"builds, and {PER_REQUEST} are under way: retry in a few seconds",
+                code="constraint_automata_busy",
+            )
+        futures = {pattern: self.future(pattern) for pattern in ordered}
 
         async def built() -> None:
             loop = asyncio.get_running_loop()

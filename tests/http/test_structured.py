@@ -298,6 +298,29 @@ def test_a_build_process_that_cannot_start_is_a_503_and_not_held_against_the_pat
         assert served.status_code == 200, served.text
 
 
+def test_one_request_starts_at_most_its_share_of_builds_and_progresses_on_retry(make_server: Any) -> None:
+    """A schema with more new patterns than PER_REQUEST starts that many builds and gets a
+    503 to retry, so one request never fills the build queue; each retry starts the next
+    share, and the request is then served."""
+    from millm_plugins.structured import automata
+
+    tag = uuid.uuid4().hex[:8]
+    patterns = [f"[a-z]{{{i}}}-{tag}" for i in range(1, 2 * automata.PER_REQUEST + 2)]  # 9: three tries
+    properties = {f"p{i}": {"type": "string", "pattern": pattern} for i, pattern in enumerate(patterns)}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": properties}}}
+    with make_server() as srv:
+        answers = []
+        for _ in range(6):
+            resp = _chat(srv, response_format=fmt, max_tokens=2)
+            answers.append(resp.status_code)
+            if resp.status_code == 200:
+                break
+            assert resp.json()["error"]["code"] == "constraint_automata_busy", resp.text
+            assert f"at most {automata.PER_REQUEST} builds" in resp.json()["error"]["message"]
+            time.sleep(0.5)  # the started builds finish (milliseconds each)
+        assert answers == [503, 503, 200]
+
+
 def test_new_patterns_past_the_build_queue_get_a_503(make_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Builds are bounded (a client sending many slow patterns and leaving cannot queue
     hours of work): past ``MAX_QUEUED`` waiting or running builds a new pattern is a 503;
