@@ -258,7 +258,7 @@ def test_a_stalled_upload_is_refused_after_the_read_timeout(make_server: Any) ->
             f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n\r\n{{"a": 1}}\n'
         ).encode()
         head = (
-            f"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary={boundary}\r\n"
+            f"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; boundary={boundary}\r\n"
             f"Content-Length: {len(start) + 10_000}\r\n\r\n"
         ).encode()
         began = time.monotonic()

@@ -366,7 +366,7 @@ def test_a_switch_outlives_the_request_that_began_it(roots: str) -> None:
 
     async def main() -> None:
         async with app.router.lifespan_context(app):
-            client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://millm", timeout=60)
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=60)
             assert (await client.post("/api/models/tiny/load", json={})).status_code == 200
             body = {"model": "tiny", **CHAT, "max_tokens": 60}
             held = asyncio.ensure_future(client.post("/v1/chat/completions", json=body, headers={"X-Gate": "1"}))
