@@ -62,6 +62,8 @@ class Reasoning:
         self._lens: deque[int] = deque(maxlen=window or None)  # text length of the latest reasoning tokens
         self._ids: list[int] = []  # the latest reasoning token ids (the loop detector's input)
         self._force: deque[int] = deque()
+        self._forced_text = 0  # length of the text of a close being forced, drawn so far
+        self._closing = ""  # the text of the close being forced (its newline, its marker)
         self._swallow = 0  # forced opening tokens whose text is not passed on
         self._ban: int | None = None
         self._take = 0
@@ -103,7 +105,8 @@ class Reasoning:
             return self._text(text), False
         self.drawn += 1
         self._ban = None
-        if self._force:
+        forced = bool(self._force)
+        if forced:
             self._force.popleft()
         if self._swallow > 0:
             self._swallow -= 1
@@ -116,13 +119,15 @@ class Reasoning:
         if self._guard is not None:
             self._ids.append(token_id)
             self._lens.append(len(text))
+        if forced:
+            self._forced_text += len(text)
         self._buf += text
         return self._reasoning(), False
 
     def flush(self) -> str:
         if self._state == "reasoning":
-            if self._force:  # the row ended inside a close the plugin was writing: not reasoning
-                self._buf = self._buf[: len(self._buf) - _partial_suffix(self._buf, self._fmt.close)].rstrip("\n")
+            if self._force:  # the row ended inside a close the plugin was writing: none of it is reasoning
+                self._buf = self._buf[: len(self._buf) - self._forced_part()].rstrip("\n")
             self._emit_side(self._buf)
             self._buf = ""
             return ""
@@ -153,13 +158,16 @@ class Reasoning:
     def end(self, finish_reason: str) -> RowEnd | None:
         if not self.entered:
             return None
+        # An end of turn drawn as the row's last token, inside the block: no room was left
+        # to redirect it, and the turn did not end with an answer; it ran out of tokens.
+        cut = finish_reason == "stop" and self._state == "reasoning" and self._policy.redirect
         usage = {"reasoning_tokens": self.reasoning_tokens}
         if self.rewound:
             usage["rewound_tokens"] = self.rewound
         choice = {"thinking_budget_forced_at": self.forced_at} if self.forced_at is not None else {}
         # A block with no text still says the model reasoned.
         fields = {} if self._started_side else {FIELD: ""}
-        return RowEnd(fields=fields, usage=usage, choice=choice)
+        return RowEnd(fields=fields, usage=usage, choice=choice, finish_reason="length" if cut else None)
 
     # -- states -------------------------------------------------------------------------
 
@@ -209,6 +217,7 @@ class Reasoning:
         self._emit_side(reasoning.rstrip("\n"))
         self._buf, self._ids = "", []
         self._lens.clear()
+        self._forced_text = 0
         self._state = "content"
         if self._policy.opening_ids:
             if not self._force:  # the model closed the block itself: the blank line first
@@ -233,6 +242,14 @@ class Reasoning:
         text = self._buf or self._side or self._shown
         ends_line = not text or text.endswith("\n")
         self._force.extend(self._fmt.close_ids if ends_line else self._fmt.close_nl_ids)
+        self._closing = ("" if ends_line else "\n") + self._fmt.close
+
+    def _forced_part(self) -> int:
+        """How much of the reasoning text's end the forced close wrote: the longest end
+        that begins the close, no longer than the forced tokens' text (that text may also
+        carry reasoning bytes the decoder held back)."""
+        most = min(self._forced_text, len(self._buf), len(self._closing))
+        return next((n for n in range(most, 0, -1) if self._buf.endswith(self._closing[:n])), 0)
 
     def _loop(self) -> None:
         assert self._guard is not None

@@ -203,6 +203,11 @@ def test_an_end_of_turn_with_little_room_left_still_closes_and_ends_by_length(sr
         got, choice = message(resp), resp.json()["choices"][0]
         assert (got.get("reasoning_content"), got["content"], choice["finish_reason"]) == (reasoning, answer, "length"), max_tokens
     assert seen_partial and seen_whole  # both cases ran
+    # The end of turn as the row's very last token: no room to redirect it, and the turn
+    # has no answer: it ran out of tokens (length), never a stop with reasoning only.
+    last = chat(srv, [None, None, None, eos], chat_template_kwargs=OPEN, max_tokens=4)
+    got, choice = message(last), last.json()["choices"][0]
+    assert (got.get("reasoning_content"), got["content"], choice["finish_reason"]) == (split(texts(ref, first))[0], "", "length")
 
 
 def test_a_forced_close_cut_short_by_max_tokens_leaves_no_piece_of_it_in_the_reasoning(srv: RunningServer, ref: Any) -> None:
