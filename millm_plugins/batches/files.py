@@ -21,7 +21,7 @@ from starlette.types import Message, Receive
 
 from millm_core.api import FieldNotHonoured, InvalidRequest, MillmError, app_context, json_response
 
-from .disk import CHUNK, FileTooLarge, StorageFull
+from .disk import CHUNK, FileTooLarge
 from .objects import FileDeleted, FileList, FileObject, new_id
 from .paging import limit, query
 from .state import STATE, BatchesState, FileNotFound
@@ -113,13 +113,8 @@ async def _form_fields(request: Request, state: BatchesState) -> tuple[str, Uplo
 async def upload_file(request: Request) -> Response:
     """``POST /v1/files``."""
     state = _state(request)
-    stored = await asyncio.to_thread(state.store.stored_bytes)
-    if stored >= state.max_storage_bytes:  # full already: refused before the body is read
-        raise StorageFull(
-            f"the stored batch files take {stored} bytes, the {state.max_storage_bytes}-byte limit (--batch-max-storage-bytes): "
-            "delete files you no longer need",
-            param="file",
-        )
+    # The storage limit is checked once the upload is in (refusing before the body is read
+    # would reset the connection under a client still sending, which then sees no 413).
     _, upload, form = await _form_fields(request, state)
     file_id = new_id("file")
     try:

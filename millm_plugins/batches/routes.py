@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from millm_core.api import FieldNotHonoured, InvalidRequest, MillmError, app_context, convert, json_response, read_json, unknown_fields
 
+from .disk import StorageFull
 from .objects import Batch, BatchList, CreateBatch
 from .paging import limit, query
 from .state import STATE, BatchesState, BatchNotFound, FileNotFound
@@ -55,6 +56,13 @@ async def create_batch(request: Request) -> Response:
     found = await asyncio.to_thread(state.store.get_file, body.input_file_id)
     if found is None:
         raise FileNotFound(f"no file has the id {body.input_file_id!r}", param="input_file_id")
+    stored = await asyncio.to_thread(state.store.stored_bytes)
+    if stored >= state.max_storage_bytes:  # a batch writes result files: none is started on a full store
+        raise StorageFull(
+            f"the stored batch files take {stored} bytes, the {state.max_storage_bytes}-byte limit (--batch-max-storage-bytes), "
+            "and a batch writes result files: delete files you no longer need",
+            param="input_file_id",
+        )
     if found.purpose != "batch":
         raise InvalidRequest(
             f'the file {body.input_file_id!r} has purpose {found.purpose!r}; a batch reads a file uploaded with purpose "batch"',

@@ -275,9 +275,13 @@ def test_stored_files_have_a_total_limit(make_server: Any) -> None:
         assert "--batch-max-storage-bytes" in error["message"]  # type: ignore[index]
         assert len(client.files.list().data) == 3  # the refused upload was not kept
         assert client.files.create(file=("fits.jsonl", b"{}" + b" " * (room - 3) + b"\n"), purpose="batch").bytes == room
-        # Full: refused before the body is read; deleting a file makes room again.
+        # Full: any upload is refused, and no batch starts (it would write result files).
         body, media = _multipart(b"{}\n")
         assert httpx.post(srv.base_url + "/v1/files", content=body, headers={"Content-Type": media}).json()["error"]["code"] == "storage_limit_exceeded"
+        with pytest.raises(openai.APIStatusError) as no_batch:
+            client.batches.create(input_file_id=second.id, endpoint="/v1/completions", completion_window="24h")
+        assert (no_batch.value.status_code, no_batch.value.body["code"], no_batch.value.body["param"]) == (413, "storage_limit_exceeded", "input_file_id")  # type: ignore[index]
+        # Deleting a file makes room again.
         client.files.delete(first.id)
         assert client.files.create(file=("again.jsonl", b"{}\n"), purpose="batch").bytes == 3
 
