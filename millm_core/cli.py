@@ -69,18 +69,22 @@ def _add_settings_flags(parser: argparse.ArgumentParser, plugin_settings: Sequen
 
 
 def build_parser(plugin_settings: Sequence[PluginSetting[Any]] = (), commands: Sequence[Command] = ()) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="millm", description="An OpenAI-compatible model server for interpretability research")
+    # No abbreviated flags: which flags exist depends on the installed plugins, so an
+    # abbreviation could change meaning, and --block-plugins is read before parsing.
+    parser = argparse.ArgumentParser(
+        prog="millm", description="An OpenAI-compatible model server for interpretability research", allow_abbrev=False
+    )
     parser.add_argument("--version", action="version", version=f"millm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI API", allow_abbrev=False)
     _add_settings_flags(serve, plugin_settings)
-    _add_settings_flags(sub.add_parser("models", help="list the models plugins offer and the installed plugins"), plugin_settings)
+    _add_settings_flags(sub.add_parser("models", help="list the models plugins offer and the installed plugins", allow_abbrev=False), plugin_settings)
     for command in commands:
         if command.serve_option:  # `millm serve --<name>`: another way to serve, with arguments of its own
             serve.add_argument("--" + command.name, dest=command.name.replace("-", "_"), action="store_true", help=command.help)
             command.configure(serve, lambda p: None)
             continue
-        command.configure(sub.add_parser(command.name, help=command.help), lambda p: _add_settings_flags(p, plugin_settings))
+        command.configure(sub.add_parser(command.name, help=command.help, allow_abbrev=False), lambda p: _add_settings_flags(p, plugin_settings))
     return parser
 
 

@@ -102,11 +102,14 @@ def blocked_plugins(argv: Sequence[str] = (), environ: Mapping[str, str] | None 
     if isinstance(value, tuple | list):
         return tuple(str(v) for v in value)
     flag = "--block-plugins"
-    for i, arg in enumerate(argv):
+    given: str | None = None
+    for i, arg in enumerate(argv):  # the last one counts, as for argparse (which takes no abbreviations here)
         if arg == flag and i + 1 < len(argv):
-            return _csv(argv[i + 1])
-        if arg.startswith(flag + "="):
-            return _csv(arg[len(flag) + 1 :])
+            given = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            given = arg[len(flag) + 1 :]
+    if given is not None:
+        return _csv(given)
     environ = os.environ if environ is None else environ
     return _csv(environ.get(env_name("block_plugins"), ""))
 

@@ -138,19 +138,29 @@ class PluginHost:
         return self._pm.has_plugin(name)
 
     def culprit(self, exc: BaseException) -> str | None:
-        """The plugin whose code raised ``exc``: the innermost traceback frame in a
-        registered plugin's module (or its package's other modules); None when none is
-        (the core's own code, or a library called by the core)."""
-        owners: list[tuple[str, str]] = []
+        """The plugin whose code raised ``exc``: for the innermost traceback frame that has
+        one, a registered plugin object whose method it is, else the plugin whose module it
+        is, else the plugin whose package holds it (the longest such package; a plugin
+        module's package, or a package registered as the plugin). None when no frame is a
+        plugin's (the core's own code, or a library called by the core)."""
+        modules: dict[str, str] = {}
+        packages: list[tuple[str, str]] = []
+        instances: dict[int, str] = {}
         for name, plugin in self._pm.list_name_plugin():
             if name == "core" or plugin is None:
                 continue
-            module = plugin.__name__ if isinstance(plugin, ModuleType) else type(plugin).__module__
+            if isinstance(plugin, ModuleType):
+                module = plugin.__name__
+                if hasattr(plugin, "__path__"):  # a package: its modules are its
+                    packages.append((module + ".", name))
+            else:
+                module = type(plugin).__module__
+                instances[id(plugin)] = name
+            modules.setdefault(module, name)
             package = module.rpartition(".")[0]
-            owners.append((name, module))
-            if package.count(".") >= 1 or (package and package not in ("millm_plugins", "millm_engines")):
-                owners.append((name, package + "."))
-        instances = {id(plugin): name for name, plugin in self._pm.list_name_plugin() if name != "core" and not isinstance(plugin, ModuleType)}
+            if package and package not in ("millm_plugins", "millm_engines"):  # shared namespaces own nothing
+                packages.append((package + ".", name))
+        packages.sort(key=lambda item: -len(item[0]))
         tb = exc.__traceback__
         frames: list[Any] = []
         while tb is not None:
@@ -161,9 +171,11 @@ class PluginHost:
             if bound is not None and id(bound) in instances:  # a method of a plugin object
                 return instances[id(bound)]
             module = str(frame.f_globals.get("__name__", ""))
-            for name, owner in owners:
-                if module == owner or (owner.endswith(".") and module.startswith(owner)):
-                    return name
+            if module in modules:
+                return modules[module]
+            owner = next((name for prefix, name in packages if module.startswith(prefix)), None)
+            if owner is not None:
+                return owner
         return None
 
     def names(self) -> list[str]:

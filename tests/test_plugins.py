@@ -268,6 +268,12 @@ def test_the_block_list_is_read_before_discovery() -> None:
 
     assert blocked_plugins(["serve", "--block-plugins", "a, b"], environ={"MILLM_BLOCK_PLUGINS": "c"}) == ("a", "b")
     assert blocked_plugins(["serve", "--block-plugins=a"], environ={}) == ("a",)
+    assert blocked_plugins(["serve", "--block-plugins", "a", "--block-plugins=b"], environ={}) == ("b",)  # the last, as argparse
+    from millm_core.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--block-plugins", "a", "--block-plugins", "b"]).block_plugins == "b"
+    with pytest.raises(SystemExit):  # no abbreviation could be read otherwise than the early read reads it
+        build_parser().parse_args(["serve", "--block-plug", "a"])
     assert blocked_plugins(["serve"], environ={"MILLM_BLOCK_PLUGINS": "c,d"}) == ("c", "d")
     assert blocked_plugins([], environ={}, overrides={"block_plugins": ("e",)}) == ("e",)
     assert blocked_plugins([], environ={"MILLM_BLOCK_PLUGINS": "c"}, overrides={"block_plugins": "f"}) == ("f",)

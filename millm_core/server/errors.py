@@ -68,7 +68,10 @@ async def handle_unexpected(request: Request, exc: Exception) -> Response:
     # layer), so the id is read from the scope and set here, in the log and the header.
     request_id = str(request.scope.get("state", {}).get("request_id", ""))
     state = getattr(request.app.state, "millm", None)
-    culprit = state.host.culprit(exc) if state is not None else None
+    try:
+        culprit = state.host.culprit(exc) if state is not None else None
+    except Exception:  # noqa: BLE001 - naming the plugin is a courtesy; the 500 must go out
+        culprit = None
     log.exception("unhandled_error", exc_type=type(exc).__name__, request_id=request_id, **({"plugin": culprit} if culprit else {}))
     setattr(exc, LOGGED, True)  # the app does not hand it on to the server to be logged again
     err = internal_error()

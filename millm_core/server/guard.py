@@ -42,9 +42,11 @@ def host_allow_list(allowed: tuple[str, ...], bind: str) -> tuple[str, ...]:
         return () if ANY_HOST in allowed else allowed
     name = bind.strip().strip("[]").lower()
     try:
-        loopback = name == "localhost" or ipaddress.ip_address(name).is_loopback
-    except ValueError:  # a host name other than localhost: it may be any interface's
-        loopback = False
+        address = ipaddress.ip_address(name)
+        mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+        loopback = address.is_loopback or bool(mapped and mapped.is_loopback)
+    except ValueError:  # a host name: localhost, or one that may be any interface's
+        loopback = name == "localhost"
     if not loopback:
         return ()
     return tuple(dict.fromkeys((*LOCAL_NAMES, f"[{name}]" if ":" in name else name)))
@@ -97,8 +99,8 @@ class GuardMiddleware:
     def _check(self, scope: Scope) -> Refusal | None:
         headers = {k.lower(): v for k, v in scope.get("headers") or []}
         path: str = scope.get("path", "")
-        if self._hosts:
-            host = headers.get(b"host", b"").decode("latin-1").lower()
+        if self._hosts and b"host" in headers:  # no Host at all (HTTP/1.0): no browser sends that
+            host = headers[b"host"].decode("latin-1").lower()
             name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
             if name not in self._hosts and host not in self._hosts:
                 return _refusal(

@@ -82,6 +82,10 @@ def test_a_loopback_server_answers_only_local_host_names_by_default(server) -> N
         assert "--allowed-hosts" in resp.json()["error"]["message"]
     for host in (f"localhost:{port}", "LOCALHOST", f"127.0.0.1:{port}", f"[::1]:{port}", "[::1]"):
         assert httpx.get(server.base_url + "/v1/models", headers={"Host": host}).status_code == 200, host
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:  # HTTP/1.0, no Host: not a browser
+        raw.sendall(b"GET /api/health HTTP/1.0\r\n\r\n")
+        status = raw.recv(64).split(b" ")[1]
+        assert status == b"200", status
 
 
 def test_the_default_host_list_follows_the_listening_address() -> None:
@@ -92,6 +96,7 @@ def test_the_default_host_list_follows_the_listening_address() -> None:
     assert host_allow_list((), "localhost") == local
     assert host_allow_list((), "127.0.0.2") == (*local, "127.0.0.2")
     assert host_allow_list((), "::1") == host_allow_list((), "[::1]") == local
+    assert host_allow_list((), "::ffff:127.0.0.1") == (*local, "[::ffff:127.0.0.1]")
     for anywhere in ("0.0.0.0", "::", "192.168.1.5", "my.server"):
         assert host_allow_list((), anywhere) == ()  # any Host
     assert host_allow_list(("*",), "127.0.0.1") == () and host_allow_list(("a", "b"), "127.0.0.1") == ("a", "b")
@@ -204,7 +209,18 @@ def test_the_plugin_that_raised_is_found_in_the_traceback() -> None:
             return exc.with_traceback(tb)
         raise AssertionError("nothing raised")
 
-    assert host.culprit(raised(lambda: ExplodingValidate().millm_validate(None, None))) == "buggy"
+    buggy = ExplodingValidate()
+    host.register(buggy, "buggy-too")
+    assert host.culprit(raised(lambda: buggy.millm_validate(None, None))) == "buggy-too"  # the object's own method
+    assert host.culprit(raised(lambda: ExplodingValidate().millm_validate(None, None))) == "buggy"  # its module
+    # Two plugins side by side in one package: each module is its own plugin's.
+    import types
+
+    acme = {name: types.ModuleType(f"acme.{name}") for name in ("a", "b")}
+    for module in acme.values():
+        exec("def fail():\n    raise ValueError('x')\n", module.__dict__)  # its frames say module.__name__
+        host.register(module, module.__name__.rpartition(".")[2])
+    assert host.culprit(raised(acme["b"].fail)) == "b" and host.culprit(raised(acme["a"].fail)) == "a"
     from millm_plugins.sampling.defaults import parse_defaults
 
     assert host.culprit(raised(lambda: parse_defaults("temperature=9"))) == "sampling"  # a module of the plugin's package
