@@ -32,6 +32,7 @@ from millm_core.api import (
     ServedModel,
     StashKey,
     hookimpl,
+    template_variables,
 )
 
 from .fields import ANSWER_RESERVE, BUDGET, DEFAULT_GUARD, EFFORT, LOOP_GUARD, MARKERS, THINKING_BUDGET
@@ -87,6 +88,12 @@ def millm_validate(ctx: RequestContext, request: Any) -> None:
             ctx.ignored_fields.append(field.name)
 
 
+def _reads(template: str, variable: str) -> bool:
+    """Whether the chat template reads ``variable`` (a word search where it does not parse)."""
+    found = template_variables(template) if template else frozenset()
+    return variable in template if found is None else variable in found
+
+
 def _thinking(request: Any, chat: ChatRender | None = None) -> bool:
     kwargs = chat.template_kwargs if chat is not None else (getattr(request, "chat_template_kwargs", None) or {})
     return not (isinstance(kwargs, dict) and kwargs.get("enable_thinking") is False)
@@ -111,12 +118,12 @@ def millm_render_chat(ctx: RequestContext, request: Any, model: ServedModel, cha
     if effort == "none":
         if chat.template_kwargs.get("enable_thinking") is True:
             raise InvalidRequest('reasoning_effort "none" and chat_template_kwargs.enable_thinking true disagree; send one', param="reasoning_effort")
-        if "enable_thinking" not in template:
+        if not _reads(template, "enable_thinking"):
             raise InvalidRequest("this model's chat template has no enable_thinking switch, so its reasoning cannot be turned off", param="reasoning_effort")
         chat.template_kwargs["enable_thinking"] = False
     elif effort in ("minimal", "low", "medium", "high"):
         ctx.ignored_fields.append("reasoning_effort")  # only "none" and "max" change what runs
-    if chat.template_kwargs.get("enable_thinking") is False and "enable_thinking" not in template:
+    if chat.template_kwargs.get("enable_thinking") is False and not _reads(template, "enable_thinking"):
         raise InvalidRequest(
             "this model's chat template has no enable_thinking switch, so its reasoning cannot be turned off",
             param="chat_template_kwargs.enable_thinking",

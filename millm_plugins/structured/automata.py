@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from millm_core.api import AppContext, MillmError, ServiceUnavailable, StashKey
+from millm_core.api import AppContext, MillmError, RequestContext, ServiceUnavailable, StashKey
 
 from .fsmbuild import Builder, BuilderUnavailable
 
@@ -43,6 +43,9 @@ PER_REQUEST = 4
 a 503 to retry (the next try starts the next ones), so that no request fills the queue."""
 
 AUTOMATA = StashKey["Automata"]("structured.automata")
+STARTED = StashKey[list[int]]("structured.builds_started")
+"""Builds a request has started (in its ``ctx.stash``: the structured-output and tools
+plugins' patterns share one request's share)."""
 Refusal = Callable[[str], MillmError]
 """Makes the error that refuses a request, from the reason (the pattern is named in it)."""
 
@@ -102,22 +105,29 @@ class Automata:
             self._built.move_to_end(pattern)
         return future
 
-    def wait(self, patterns: Iterable[str], into: dict[str, Any], refuse: Refusal) -> Callable[[], Awaitable[None]]:
+    def wait(
+        self, patterns: Iterable[str], into: dict[str, Any], refuse: Refusal, ctx: RequestContext | None = None
+    ) -> Callable[[], Awaitable[None]]:
         """A wait for ``ForwardPlan.add_wait``: every pattern's automaton into ``into``
         (for the rows' parsers), or ``refuse(reason)`` raised for a pattern that cannot be
         compiled, whose build was stopped, or that takes more than :data:`BUILD_WAIT_S`.
-        A request with more than :data:`PER_REQUEST` patterns not asked for before starts
-        that many builds and is refused with a 503 to retry."""
+        A request (``ctx``: every call for it counts together) with more than
+        :data:`PER_REQUEST` patterns not asked for before starts that many builds and is
+        refused with a 503 to retry."""
         ordered = sorted(patterns)
         new = [pattern for pattern in ordered if pattern not in self._built]
-        if len(new) > PER_REQUEST:
-            for pattern in new[:PER_REQUEST]:
+        started = ctx.stash.setdefault(STARTED, lambda: [0]) if ctx is not None else [0]
+        share = max(0, PER_REQUEST - started[0])
+        if len(new) > share:
+            for pattern in new[:share]:
                 self.future(pattern)
+                started[0] += 1
             raise ServiceUnavailable(
-                f"{len(new)} of this request's regex patterns have no automaton yet; a request starts at most {PER_REQUEST} "
-                f"builds, and {PER_REQUEST} are under way: retry in a few seconds",
+                f"{len(new)} of this request's regex patterns have no automaton yet, and a request starts at most {PER_REQUEST} "
+                "builds: retry in a few seconds (each try starts the next ones)",
                 code="constraint_automata_busy",
             )
+        started[0] += len(new)
         futures = {pattern: self.future(pattern) for pattern in ordered}
 
         async def built() -> None:

@@ -106,7 +106,7 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
     built: dict[str, Any] = {}  # the schema's pattern automata, filled before the rows run
     patterns = schema_patterns(schema)
     if patterns:
-        plan.add_wait(automata(ctx.app).wait(patterns, built, lambda reason: ResponseFormatUnsupported(reason, param=SCHEMA_PARAM)))
+        plan.add_wait(automata(ctx.app).wait(patterns, built, lambda reason: ResponseFormatUnsupported(reason, param=SCHEMA_PARAM), ctx))
 
     def constrain(_row: RowInfo) -> LazyConstraint:
         return LazyConstraint.json(vocab, schema, automata=built)

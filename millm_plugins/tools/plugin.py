@@ -359,7 +359,7 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
         patterns = {forced.pattern} if forced.pattern is not None else schema_patterns(forced.schema)
         tools = list(getattr(request, "tools", None) or [])
         if patterns:
-            wait = automata(ctx.app).wait(patterns, built, _Unbuilt)
+            wait = automata(ctx.app).wait(patterns, built, _Unbuilt, ctx)
 
             async def arguments_built() -> None:
                 try:

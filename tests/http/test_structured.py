@@ -316,7 +316,7 @@ def test_one_request_starts_at_most_its_share_of_builds_and_progresses_on_retry(
             if resp.status_code == 200:
                 break
             assert resp.json()["error"]["code"] == "constraint_automata_busy", resp.text
-            assert f"at most {automata.PER_REQUEST} builds" in resp.json()["error"]["message"]
+            assert f"a request starts at most {automata.PER_REQUEST} builds" in resp.json()["error"]["message"]
             time.sleep(0.5)  # the started builds finish (milliseconds each)
         assert answers == [503, 503, 200]
 
@@ -338,3 +338,28 @@ def test_new_patterns_past_the_build_queue_get_a_503(make_server: Any, monkeypat
         busy = _chat(srv, response_format=_pattern_format(f"[0-9]-{tag}"), max_tokens=2)
         assert busy.status_code == 503 and busy.json()["error"]["code"] == "constraint_automata_busy", busy.text
         assert _chat(srv, response_format=_pattern_format(built), max_tokens=2).status_code == 200
+
+
+def test_the_patterns_of_one_request_share_its_builds_across_plugins() -> None:
+    """The structured-output and tools plugins each ask for their patterns with the same
+    request context: together they start at most PER_REQUEST builds."""
+    import types
+
+    from millm_core.api import ServiceUnavailable, Stash
+    from millm_plugins.structured import automata
+
+    def request_context() -> Any:  # what wait() reads of a request's context: its stash
+        return types.SimpleNamespace(stash=Stash())
+
+    tag = uuid.uuid4().hex[:8]
+    builds = automata.Automata()
+    try:
+        ctx = request_context()
+        first = [f"[a-c]{{{i}}}-{tag}" for i in range(1, automata.PER_REQUEST)]  # one short of the share
+        builds.wait(first, {}, ValueError, ctx)
+        with pytest.raises(ServiceUnavailable):  # two more for the same request: one fits
+            builds.wait([f"[d-f]-{tag}", f"[g-h]-{tag}"], {}, ValueError, ctx)
+        other = request_context()  # another request has a share of its own
+        builds.wait([f"[g-h]-{tag}", f"[i-j]-{tag}"], {}, ValueError, other)
+    finally:
+        builds.shutdown()
