@@ -52,4 +52,4 @@ def serving_app(settings: Settings, *, plugins: Sequence[tuple[object, str]] = (
         engine = load(location, settings, host)
         return ServedModel(info=engine.info, engine=engine, location=location)
 
-    return create_app(settings, host=host, loader=loader)
+    return create_app(settings, host=host, loader=loader, loading=location.served_name)

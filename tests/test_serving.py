@@ -48,3 +48,36 @@ def test_startup_load_says_why_the_model_did_not_load(tmp_path: Path, tiny_dir: 
     app = serving_app(serving_settings({"model": str(garbled), "served_name": "tiny", "db": ":memory:"}, environ={}))
     failed, status = asyncio.run(_start(app))
     assert failed is not None and "header" in failed and status == 503
+
+
+def test_the_start_up_model_shows_as_loading_and_a_load_meanwhile_waits_its_turn(tiny_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the start-up load runs, /api/models says "loading" and an explicit load of the
+    same model is 503 model_busy (not a second load that then fails with a 500); once it is
+    loaded, the load answers the loaded entry."""
+    import threading
+
+    import millm_core.serving as serving
+
+    release = threading.Event()
+    real = serving.load
+
+    def slow(*args: object, **kwargs: object) -> object:
+        release.wait(30)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(serving, "load", slow)
+    app = serving_app(serving_settings({"model": tiny_dir, "served_name": "tiny", "db": ":memory:"}, environ={}))
+
+    async def run() -> None:
+        async with app.router.lifespan_context(app):  # type: ignore[attr-defined]
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=60) as client:  # type: ignore[arg-type]
+                states = {e["id"]: e["state"] for e in (await client.get("/api/models")).json()["data"]}
+                assert states["tiny"] == "loading"
+                busy = await client.post("/api/models/tiny/load", json={})
+                assert busy.status_code == 503 and busy.json()["error"]["code"] == "model_busy" and busy.headers["retry-after"]
+                release.set()
+                assert await startup_load(app) is None  # type: ignore[arg-type]
+                loaded = await client.post("/api/models/tiny/load", json={})
+                assert loaded.status_code == 200 and loaded.json()["state"] == "loaded"
+
+    asyncio.run(run())

@@ -125,10 +125,13 @@ def create_app(
     host: PluginHost | None = None,
     models: ModelRegistry | None = None,
     loader: Loader | None = None,
+    loading: str | None = None,
 ) -> Starlette:
     """Build the app. Pass ``models`` already loaded (tests, embedding), or a ``loader``
     that the lifespan runs in a worker thread while the server already answers health
-    checks (readiness is 503 until it finishes)."""
+    checks (readiness is 503 until it finishes). ``loading`` names the model the loader
+    loads: ``/api/models`` shows it ``loading`` meanwhile, and a load asked for meanwhile
+    is refused with 503 ``model_busy`` (``Retry-After``), as during any load."""
     host = host or build_host(settings)
     # Settings built without the plugins' declarations get their defaults (what the CLI would give).
     missing = {d.name: d.default for d in host.plugin_settings() if d.name not in settings.plugin_values}
@@ -175,6 +178,8 @@ def create_app(
         task: asyncio.Task[None] | None = None
         if loader is not None:
             state.loading = True
+            marked = {loading} if loading else set()
+            state.lifecycle.loading |= marked
 
             async def load() -> None:
                 try:
@@ -187,6 +192,7 @@ def create_app(
                     log.exception("model_load_failed")
                 finally:
                     state.loading = False
+                    state.lifecycle.loading -= marked
 
             task = asyncio.create_task(load())
         log.info("server_started", plugins=host.names(), models=[m.info.served_name for m in registry])
