@@ -44,9 +44,11 @@ MODEL_ENDPOINTS = frozenset({"chat.completions", "completions", "embeddings"})
 
 async def ensure_requested_model(admission: Admission) -> None:
     """Load the model the request names when it is not loaded but loadable; return at
-    once when it is loaded, unknown (admission answers 404) or ``--auto-load`` is off."""
+    once when it is loaded, unknown (admission answers 404) or ``--auto-load`` is off.
+    Work that may not switch (a Batch API line) is told to wait (503 ``model_busy``) for a
+    loadable model that is not loaded, whether or not ``--auto-load`` is on."""
     state, ctx, request = admission.state, admission.ctx, admission.request
-    if not state.settings.auto_load or ctx.endpoint not in MODEL_ENDPOINTS:
+    if ctx.endpoint not in MODEL_ENDPOINTS or (not state.settings.auto_load and ctx.may_switch):
         return
     name = state.host.requested_model(ctx, request)
     if name is None or state.models.get(name) is not None:
@@ -58,8 +60,9 @@ async def ensure_requested_model(admission: Admission) -> None:
     if candidate is None:
         return
     lifecycle.check_lock(name, "a request for")
-    if not ctx.may_switch and len(state.models):
-        raise lifecycle.busy_error(f"'{name}' is not loaded, and this request may not unload the model served now; it waits for '{name}'")
+    if not ctx.may_switch and (len(state.models) or not state.settings.auto_load):
+        why = "the server loads a model only when told (--auto-load false)" if not state.settings.auto_load else "this request may not unload the model served now"
+        raise lifecycle.busy_error(f"'{name}' is not loaded, and {why}; it waits for '{name}' (POST /api/models/{name}/load)")
     if lifecycle.busy:
         doing = ", ".join(sorted(lifecycle.loading | lifecycle.unloading))
         raise lifecycle.busy_error(f"Another load or unload is in progress ({doing}); retry once it finishes")

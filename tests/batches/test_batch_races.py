@@ -165,13 +165,15 @@ def test_a_batch_never_evicts_the_model_live_traffic_uses(tiny_dir: str, tmp_pat
     assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 1
 
 
-def test_a_batch_waiting_for_another_model_leaves_the_slots_to_batches_for_the_loaded_one(tiny_dir: str, tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("auto_load", [True, False])
+def test_a_batch_waiting_for_another_model_leaves_the_slots_to_batches_for_the_loaded_one(tiny_dir: str, tmp_path: pathlib.Path, auto_load: bool) -> None:
     """With one slot: an older batch whose model is not loaded parks (it holds no slot), so
     a newer batch for the loaded model runs to its end meanwhile; the parked one runs once
-    its model is loaded, every line once."""
+    its model is loaded, every line once. With --auto-load false too (its lines wait for an
+    explicit load; they are not refused as naming an unknown model)."""
     (tmp_path / "roots").mkdir()
     os.symlink(tiny_dir, tmp_path / "roots" / "tiny-b")
-    with roots_server(tiny_dir, tmp_path, batch_concurrency=1) as srv:
+    with roots_server(tiny_dir, tmp_path, batch_concurrency=1, auto_load=auto_load) as srv:
         assert api(srv, "/api/models/tiny/load").status_code == 200
         client = sdk(srv.base_url)
         other = {"model": "tiny-b", "prompt": "Item:", "max_tokens": 2, "temperature": 0}
