@@ -97,8 +97,12 @@ async def ensure_requested_model(admission: Admission) -> None:
 
 
 async def _switch(state: AppState, candidate: Candidate, location: ModelLocation, factory: EngineFactory, residents: list[ServedModel]) -> None:
-    """Unload ``residents``, then load ``candidate`` (marked loading until it ends)."""
+    """Unload ``residents``, then load ``candidate`` (marked loading until it ends). Every
+    resident is marked unloading from the start: one waiting its turn is refused (503
+    ``model_busy``) as the one unloading is, not served until its own unload begins."""
     lifecycle = state.lifecycle
+    waiting = {m.info.served_name for m in residents}
+    lifecycle.unloading |= waiting
     try:
         for model in residents:
             await unload_now(state, model)
@@ -111,6 +115,7 @@ async def _switch(state: AppState, candidate: Candidate, location: ModelLocation
             state.load_error = f"ModelLoadFailed: {exc.message}"
             raise ModelLoadFailed(f"loading '{candidate.id}' failed after {gone} was unloaded: {exc.message}") from exc
     finally:
+        lifecycle.unloading -= waiting  # a resident left after a failure serves again
         lifecycle.loading.discard(candidate.id)
         lifecycle.switching = None
 

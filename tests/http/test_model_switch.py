@@ -201,6 +201,26 @@ def test_a_switch_lets_the_residents_requests_finish_and_refuses_others_meanwhil
     assert _loaded(srv) == ["tiny-b"]
 
 
+def test_every_resident_is_unloading_from_the_start_of_a_switch(srv: RunningServer, gate: Gate) -> None:
+    """Two residents: while the first drains, the second, waiting its turn, is refused
+    (503 model_busy) as the first is; it is not served until its own unload begins."""
+    assert post(srv, "/api/models/tiny-no-template/load").status_code == 200
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(post, srv, "/v1/chat/completions", {"model": "tiny", **CHAT, "max_tokens": 4}, headers={"X-Gate": "1"})
+        assert gate.entered.wait(30)
+        switching = pool.submit(_complete, srv, "tiny-b")
+        gate.step_for_model_thread_work(srv)
+        wait_for_state(srv, "tiny", "unloading")
+        states = entries(srv)
+        assert (states["tiny"]["state"], states["tiny-no-template"]["state"], states["tiny-b"]["state"]) == ("unloading", "unloading", "loading")
+        busy = _complete(srv, "tiny-no-template")
+        assert busy.status_code == 503 and busy.json()["error"]["code"] == "model_busy", busy.text
+        gate.opened.set()
+        assert running.result(60).status_code == 200
+        assert switching.result(120).status_code == 200
+    assert _loaded(srv) == ["tiny-b"]
+
+
 def test_a_load_failing_after_the_unload_says_so(srv: RunningServer, roots: str) -> None:
     failed = _complete(srv, "broken")
     assert failed.status_code == 500 and failed.json()["error"]["code"] == "model_load_failed", failed.text
