@@ -76,7 +76,7 @@ def millm_register_routes(register: Callable[..., None]) -> None:
             events="with stream: true, `event:`/`data:` pairs from response.created to response.completed or response.incomplete",
         ),
     )
-    register("/v1/responses/{response_id}", get_response, ["GET"], doc=RouteDoc("A stored response", response=ResponseObject, errors=("404",)))
+    register("/v1/responses/{response_id}", get_response, ["GET"], doc=RouteDoc("A stored response", response=ResponseObject, errors=("400", "404")))
     register(
-        "/v1/responses/{response_id}", delete_response, ["DELETE"], doc=RouteDoc("Delete a stored response", response=DeletedResponse, errors=("404",))
+        "/v1/responses/{response_id}", delete_response, ["DELETE"], doc=RouteDoc("Delete a stored response", response=DeletedResponse, errors=("400", "404"))
     )

@@ -24,6 +24,8 @@ from starlette.responses import Response
 from millm_core.api import (
     CLIENT_CLOSED,
     Dispatched,
+    FieldNotHonoured,
+    InvalidRequest,
     MillmError,
     NotFound,
     StashKey,
@@ -151,8 +153,31 @@ async def _frames(reply: Dispatched, stream: ResponseStream, translation: Transl
             yield sse(event)
 
 
+# OpenAI's query parameters of GET /v1/responses/{id} that ask for something not served here.
+_UNSERVED_QUERY = {
+    "stream": "streaming a stored response again is not served; leave stream out",
+    "starting_after": "streaming a stored response again is not served, so starting_after has nothing to start after",
+    "include_obfuscation": "streaming a stored response again is not served, so there is nothing to pad",
+    "include": "a stored response is returned as it was answered; include adds nothing to it here",
+    "include[]": "a stored response is returned as it was answered; include adds nothing to it here",
+}
+
+
+def _check_query(request: Request, served: tuple[str, ...]) -> None:
+    """Refuse, by name, a query parameter this route does not serve: one of OpenAI's that
+    asks for something not served (400 ``field_not_honoured``; ``stream=false`` asks for
+    nothing) or an unknown one (400 ``unknown_parameter``)."""
+    for name, value in request.query_params.multi_items():
+        if name in served or (name == "stream" and value.lower() == "false"):
+            continue
+        if name in _UNSERVED_QUERY:
+            raise FieldNotHonoured(_UNSERVED_QUERY[name], param=name)
+        raise InvalidRequest(f"unknown query parameter {name!r}", code="unknown_parameter", param=name)
+
+
 async def get_response(request: Request) -> Response:
     """``GET /v1/responses/{response_id}``: a stored response, as it was answered."""
+    _check_query(request, ())
     response_id = request.path_params["response_id"]
     stored = await asyncio.to_thread(app_context(request).stash[STATE].store.get, response_id)
     if stored is None:
@@ -162,6 +187,7 @@ async def get_response(request: Request) -> Response:
 
 async def delete_response(request: Request) -> Response:
     """``DELETE /v1/responses/{response_id}``."""
+    _check_query(request, ())
     response_id = request.path_params["response_id"]
     if not await asyncio.to_thread(app_context(request).stash[STATE].store.delete, response_id):
         raise _not_found(response_id, None)

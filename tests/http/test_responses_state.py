@@ -66,6 +66,15 @@ def test_stored_responses_are_retrieved_and_deleted(server) -> None:  # type: ig
     response = client.responses.create(model="tiny", input=QUESTION, max_output_tokens=4, temperature=0, metadata={"run": "7"})
     assert response.metadata == {"run": "7"} and response.store is True
     assert client.responses.retrieve(response.id).model_dump() == response.model_dump()
+    # Streaming it again is not served: refused by name, never an empty stream.
+    with pytest.raises(openai.BadRequestError) as again:
+        list(client.responses.retrieve(response.id, stream=True))
+    assert (again.value.body["code"], again.value.body["param"]) == ("field_not_honoured", "stream")  # type: ignore[index]
+    url = server.base_url + f"/v1/responses/{response.id}"
+    for query, code in (("stream=false", None), ("starting_after=3", "field_not_honoured"), ("include[]=x", "field_not_honoured"), ("foo=1", "unknown_parameter")):
+        got = httpx.get(f"{url}?{query}")
+        assert (got.status_code, (got.json().get("error") or {}).get("code")) == ((200, None) if code is None else (400, code)), query
+    assert httpx.delete(url + "?foo=1").json()["error"]["code"] == "unknown_parameter"
     deleted = httpx.delete(server.base_url + f"/v1/responses/{response.id}")
     assert deleted.status_code == 200 and deleted.json() == {"id": response.id, "object": "response", "deleted": True}
     with pytest.raises(openai.NotFoundError):
