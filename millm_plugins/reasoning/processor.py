@@ -64,6 +64,7 @@ class Reasoning:
         self._force: deque[int] = deque()
         self._forced_text = 0  # length of the text of a close being forced, drawn so far
         self._closing = ""  # the text of the close being forced (its newline, its marker)
+        self._head_read = False  # whether the reasoning's start was read for a repeated opening
         self._swallow = 0  # forced opening tokens whose text is not passed on
         self._ban: int | None = None
         self._take = 0
@@ -202,6 +203,8 @@ class Reasoning:
         at = self._buf.find(self._fmt.close)
         if at >= 0:
             return self._closed(at)
+        if self._repeated_opening():
+            return ""
         if not self._force:
             budget, spend = self._policy.budget, self._policy.spend
             if (budget is not None and self.reasoning_tokens >= budget) or (spend is not None and self.drawn + self._redirects >= spend):
@@ -211,6 +214,22 @@ class Reasoning:
                 self._loop()
         self._emit_safe()
         return ""
+
+    def _repeated_opening(self) -> bool:
+        """At the reasoning's start, an opening marker the model writes again (after the one
+        the prompt or the model already wrote) is not reasoning: it is dropped. True while
+        the start may still become one (the text is held)."""
+        if self._head_read or self._started_side:
+            return False
+        head = self._buf.lstrip()
+        if head.startswith(self._fmt.open):
+            self._buf = head[len(self._fmt.open) :]
+            self._head_read = True
+        elif head and self._fmt.open.startswith(head):
+            return True
+        elif head:
+            self._head_read = True
+        return False
 
     def _closed(self, at: int) -> str:
         reasoning, after = self._buf[:at], self._buf[at + len(self._fmt.close) :]

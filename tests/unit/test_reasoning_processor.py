@@ -52,3 +52,18 @@ def test_an_end_of_turn_as_the_last_token_ends_by_length() -> None:
     for token, text in ((100, "x"), (10, "\n"), (11, "</"), (12, "think>"), (200, "answer")):
         _draw(closed, token, text)
     assert closed.end("stop").finish_reason is None  # type: ignore[union-attr]  # answered: a stop is a stop
+
+
+def test_an_opening_the_model_writes_again_is_not_reasoning() -> None:
+    """A model whose prompt opened the block may write the opening itself too (SmolLM2 does
+    with the think template): that marker is dropped, split over tokens or not; text that
+    only begins like it stays."""
+    for pieces in (["<think>", "\nhello"], ["<th", "ink>", "\n", "hello"], ["\n<think>hello"]):
+        proc = _row()
+        for i, piece in enumerate(pieces):
+            _draw(proc, 100 + i, piece)
+        assert _reasoning(proc) == "hello", pieces
+    proc = _row()
+    for i, piece in enumerate(["<", "th", "ought", " <think> later"]):
+        _draw(proc, 100 + i, piece)
+    assert _reasoning(proc) == "<thought <think> later"
