@@ -269,6 +269,23 @@ async def _serve(settings: Settings) -> None:
         loop.add_signal_handler(sig, stop.set)
     _check_descriptors(settings.max_connections)
     log.info("listening", url=f"http://{settings.host}:{settings.port}/v1", max_connections=settings.max_connections or None)
+    failed: list[str] = []
+
+    async def watch_startup_load() -> None:
+        """A model that cannot be loaded at start-up stops the server (exit 2), as a bad
+        setting does, rather than leaving it up with nothing to serve."""
+        from .serving import startup_load
+
+        while getattr(app.state, "millm", None) is None and not stop.is_set():
+            await asyncio.sleep(0.05)
+        if stop.is_set():
+            return
+        error = await startup_load(app)
+        if error is not None:
+            failed.append(error)
+            stop.set()
+
+    watcher = asyncio.create_task(watch_startup_load())
     try:
         await serve_app(app, config, shutdown_trigger=stop.wait, max_connections=settings.max_connections)
     except Exception:
@@ -278,6 +295,10 @@ async def _serve(settings: Settings) -> None:
         if error:
             raise ConfigError(f"the server did not start: {error}") from None
         raise
+    finally:
+        watcher.cancel()
+    if failed:
+        raise ConfigError(f"the model could not be loaded at start-up: {failed[0]}")
 
 
 def _models(settings: Settings) -> None:

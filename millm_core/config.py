@@ -114,6 +114,16 @@ def blocked_plugins(argv: Sequence[str] = (), environ: Mapping[str, str] | None 
     return _csv(environ.get(env_name("block_plugins"), ""))
 
 
+def _keys(value: str) -> tuple[str, ...]:
+    """API keys, comma-separated. A value that holds no key (blanks, commas) is refused: a
+    key meant to guard the server that came out empty must not leave it open. ``""`` (an
+    empty variable) means no keys."""
+    keys = _csv(value)
+    if value and not keys:
+        raise ValueError(f"{value!r} holds no key; give one or more keys, or nothing at all for none")
+    return keys
+
+
 def parse_bool(value: str) -> bool:
     """true/false, yes/no, on/off, 1/0 (any case), for flags and ``MILLM_*`` variables."""
     lowered = value.strip().lower()
@@ -144,7 +154,7 @@ PARSERS: Mapping[str, object] = {
     "max_body_bytes": int,
     "default_max_tokens": int,
     "max_rows_per_request": int,
-    "api_key": _csv,
+    "api_key": _keys,
     "allowed_hosts": _csv,
     "read_timeout": int,
     "max_inflight": int,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -81,3 +82,24 @@ def test_the_start_up_model_shows_as_loading_and_a_load_meanwhile_waits_its_turn
                 assert loaded.status_code == 200 and loaded.json()["state"] == "loaded"
 
     asyncio.run(run())
+
+
+def test_millm_serve_stops_when_its_model_cannot_be_loaded(tiny_dir: str) -> None:
+    """A setting that fails only when the model loads (a window past the model's) stops the
+    server with one line and exit status 2, as any bad setting does; it does not stay up
+    with nothing to serve."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    run = subprocess.run(
+        [sys.executable, "-m", "millm_core.cli", "serve", "--model", tiny_dir, "--port", str(port), "--db", ":memory:", "--max-model-len", "99999999"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "MILLM_LOG_LEVEL": "warning"},
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr[-2000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("millm: the model could not be loaded at start-up: ConfigError: --max-model-len 99999999"), last
+    assert "Traceback" not in run.stderr

@@ -187,6 +187,9 @@ def create_app(
                     model = await asyncio.wrap_future(scheduler.call(loader, counted=False))  # never refused as queue_full
                     host.model_loaded(context, model)
                     registry.add(model)
+                except ConfigError as exc:  # the operator's settings: said in one line
+                    state.load_error = f"{type(exc).__name__}: {exc}"
+                    log.error("model_load_failed", error=str(exc))
                 except Exception as exc:  # noqa: BLE001 - reported by readiness and 503s
                     state.load_error = f"{type(exc).__name__}: {exc}"
                     log.exception("model_load_failed")

@@ -56,3 +56,16 @@ def test_log_level_and_default_budget_are_checked(env: dict[str, str], message: 
     for spelled, level in (("INFO", "info"), ("Warning", "warning"), ("warn", "warning"), ("CRITICAL", "critical")):
         assert load_settings(environ={"MILLM_LOG_LEVEL": spelled}).log_level == level
     assert load_settings({"log_level": "DEBUG"}, environ={}).log_level == "debug"
+
+
+def test_an_api_key_list_with_no_key_is_refused() -> None:
+    """A key meant to guard the server that came out blank must not leave it open."""
+    from millm_core.cli import build_parser, _overrides
+
+    for raw in (" ", ",", " , "):
+        with pytest.raises(ConfigError, match="holds no key"):
+            load_settings(environ={"MILLM_API_KEY": raw})
+        with pytest.raises(ConfigError, match="holds no key"):
+            _overrides(build_parser().parse_args(["serve", "--api-key", raw]), ())
+    assert load_settings(environ={"MILLM_API_KEY": ""}).api_key == ()  # empty: no keys, said so
+    assert load_settings(environ={"MILLM_API_KEY": " k1 ,k2"}).api_key == ("k1", "k2")

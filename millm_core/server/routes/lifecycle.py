@@ -199,6 +199,10 @@ def _load_on_model_thread(state: AppState, candidate: Candidate, location: Model
             raise ModelDoesNotFit(
                 f"'{candidate.id}' does not fit in the device's memory: its files take {_files_mib(location.path):.0f} MiB on disk"
             ) from exc
+        if isinstance(exc, ConfigError):  # the server's settings do not fit this model: say which
+            log.warning("model_load_failed", model=candidate.id, error=str(exc))
+            raise ModelLoadFailed(f"loading '{candidate.id}' with the {factory.name} engine failed: {exc}") from exc
+        log.exception("model_load_failed", model=candidate.id, engine=factory.name)
         raise ModelLoadFailed(
             f"loading '{candidate.id}' with the {factory.name} engine failed ({type(exc).__name__}); the server log has the details"
         ) from exc
