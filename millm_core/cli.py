@@ -65,7 +65,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser, plugin_settings: Sequen
         for setting in plugin_settings:
             flag = "--" + setting.name.replace("_", "-")
             help_text = f"{setting.help} (default {setting.default!r}) [{env_name(setting.name)}]"
-            group.add_argument(flag, dest=setting.name, default=None, type=setting.parse, help=help_text)
+            group.add_argument(flag, dest=setting.name, default=None, help=help_text)  # parsed in _overrides, as the core's
 
 
 def build_parser(plugin_settings: Sequence[PluginSetting[Any]] = (), commands: Sequence[Command] = ()) -> argparse.ArgumentParser:
@@ -89,7 +89,14 @@ def build_parser(plugin_settings: Sequence[PluginSetting[Any]] = (), commands: S
 
 
 def _overrides(args: argparse.Namespace, plugin_settings: Sequence[PluginSetting[Any]]) -> dict[str, object]:
-    out: dict[str, object] = {s.name: getattr(args, s.name) for s in plugin_settings if getattr(args, s.name, None) is not None}
+    out: dict[str, object] = {}
+    for setting in plugin_settings:
+        raw = getattr(args, setting.name, None)
+        if raw is not None:
+            try:
+                out[setting.name] = setting.parse(raw)
+            except ValueError as exc:  # the setting's own words, as for its MILLM_* variable
+                raise ConfigError(f"--{setting.name.replace('_', '-')} {raw!r}: {exc}") from exc
     for field, parse in PARSERS.items():
         raw = getattr(args, field, None)
         if raw is not None:

@@ -236,6 +236,15 @@ def load_settings(
         raise ConfigError("--graceful-unload-timeout must be 0 or more seconds")
     if settings.read_timeout < 1:
         raise ConfigError("--read-timeout must be at least 1 second")
+    if not 1 <= settings.port <= 65535:
+        raise ConfigError(f"--port must be from 1 to 65535, not {settings.port}")
+    if settings.max_body_bytes < 1024:
+        raise ConfigError(f"--max-body-bytes must be at least 1024 (a request needs room), not {settings.max_body_bytes}")
+    if settings.threads is not None and settings.threads < 1:
+        raise ConfigError(f"--threads must be at least 1 (leave it out for the engine library's own choice), not {settings.threads}")
+    missing = [root for root in settings.model_roots if not os.path.isdir(os.path.expanduser(root))]
+    if missing:
+        raise ConfigError(f"--model-roots: {', '.join(repr(r) for r in missing)} is no directory")
     if settings.db is not None:
         try:
             check_db(settings.db)

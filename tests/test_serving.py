@@ -103,3 +103,32 @@ def test_millm_serve_stops_when_its_model_cannot_be_loaded(tiny_dir: str) -> Non
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("millm: the model could not be loaded at start-up: ConfigError: --max-model-len 99999999"), last
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--cluster-intensity-min", "1", "--cluster-intensity-max", "0.5"], "--cluster-intensity-min 1 is above --cluster-intensity-max 0.5"),
+        (["--circuit-intensity-min", "1", "--circuit-intensity-max", "0.5"], "--circuit-intensity-min 1 is above --circuit-intensity-max 0.5"),
+        (["--sae-roots", "/nonexistent-sae-root"], "--sae-roots: '/nonexistent-sae-root' is no directory"),
+        (["--model-roots", "/nonexistent-model-root"], "--model-roots: '/nonexistent-model-root' is no directory"),
+        (["--port", "70000"], "--port must be from 1 to 65535"),
+        (["--max-body-bytes", "0"], "--max-body-bytes must be at least 1024"),
+        (["--threads", "0"], "--threads must be at least 1"),
+        (["--prefix-cache-mb", "-1"], "--prefix-cache-mb '-1': must be ≥ 0"),  # a plugin's flag, in its own words
+    ],
+)
+def test_settings_that_cannot_work_stop_start_up_in_one_line(tiny_dir: str, flags: list[str], says: str) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    run = subprocess.run(
+        [sys.executable, "-m", "millm_core.cli", "serve", "--model", tiny_dir, "--port", port, "--db", ":memory:", *flags],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "MILLM_LOG_LEVEL": "warning"},
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert says in run.stderr.strip().splitlines()[-1] and "Traceback" not in run.stderr, run.stderr[-2000:]

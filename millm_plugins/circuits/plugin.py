@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from millm_core.api import AppContext, PluginSetting, hookimpl
+from millm_core.api import AppContext, ConfigError, PluginSetting, hookimpl
 from millm_plugins.steering.contrib import Contribution, contributors
 from millm_plugins.steering.public import STATE, Intensity, Live, dials_of
 
@@ -98,7 +98,10 @@ def millm_register_routes(register: Callable[..., None]) -> None:
 def millm_startup(app: AppContext) -> None:
     """Migrate the plugin's tables, restore the stored circuits (their dials and which are
     active), watch the database for other servers' writes, and join the steering plugin's
-    decision as a contributor."""
+    decision as a contributor. A dial floor above its ceiling stops start-up."""
+    low, high = float(settings.INTENSITY_MIN.get(app.settings)), float(settings.INTENSITY_MAX.get(app.settings))
+    if low > high:
+        raise ConfigError(f"--circuit-intensity-min {low:g} is above --circuit-intensity-max {high:g}")
     state = app.stash[CIRCUITS] = CircuitState(store=app.store)
     state.start_watching()
     contributors(app).append(CircuitSteering(app))

@@ -14,6 +14,7 @@ and ``X-miLLM-Steering``, and sets the headers a contribution brings.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -25,6 +26,7 @@ from millm_core.api import (
     AppContext,
     Capability,
     Command,
+    ConfigError,
     Finalization,
     ForwardPlan,
     Outcome,
@@ -87,7 +89,14 @@ def millm_startup(app: AppContext) -> None:
     """Migrate the plugin's tables and restore the persisted state (attachments, manual
     values, the active profile, the epoch, the profiles) before the server is ready, then
     keep watching the database for other servers' writes. The attached SAEs are loaded
-    now; one that cannot be read is kept and reported as unusable."""
+    now; one that cannot be read is kept and reported as unusable. Settings that cannot
+    work together stop start-up."""
+    floor, ceiling = float(FLOOR.get(app.settings)), float(CEILING.get(app.settings))
+    if floor > ceiling:
+        raise ConfigError(f"--cluster-intensity-min {floor:g} is above --cluster-intensity-max {ceiling:g}")
+    missing = [root for root in SAE_ROOTS.get(app.settings) if not os.path.isdir(os.path.expanduser(root))]
+    if missing:
+        raise ConfigError(f"--sae-roots: {', '.join(repr(r) for r in missing)} is no directory")
     state = app.stash[STATE] = SteeringState(store=app.store)
     state.start_watching()
     app.stash[USAGE] = Counter(
