@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import structlog
 
 
 def configure_logging(fmt: str = "console", level: str = "info") -> None:
+    """structlog to stderr, as ``console`` lines or one JSON object per line (``json``). In
+    JSON, progress bars are turned off (tqdm's, and the Hugging Face libraries' which
+    draw with it): they share stderr and would break the lines a log shipper reads."""
+    if fmt == "json":
+        _no_progress_bars()
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         numeric = logging.INFO
@@ -27,3 +33,15 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+
+
+def _no_progress_bars() -> None:
+    os.environ["TQDM_DISABLE"] = "1"  # tqdm reads TQDM_* variables as its defaults
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when huggingface_hub is imported
+    # Libraries imported already read their switches then: turned off directly (never imported here).
+    hub = sys.modules.get("huggingface_hub.utils")
+    if hub is not None and hasattr(hub, "disable_progress_bars"):
+        hub.disable_progress_bars()
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None and hasattr(hf_logging, "disable_progress_bar"):
+        hf_logging.disable_progress_bar()

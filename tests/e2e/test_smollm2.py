@@ -52,6 +52,24 @@ def test_serve_a_local_checkpoint_with_flags(tiny_dir: str) -> None:
         server.stop()
 
 
+def test_json_logs_are_one_object_per_line() -> None:
+    """With --log-format json, what the server writes is JSON lines only: the default
+    model's GGUF check and the weights' loading draw no progress bars between them."""
+    import json
+
+    server = ServeProcess(["--log-format", "json", "--log-level", "info", "--db", ":memory:"])
+    try:
+        server.wait_ready(timeout=300)
+        reply = httpx.post(server.base_url + "/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2})
+        assert reply.status_code == 200
+    finally:
+        server.stop()
+    assert server.proc.stdout is not None
+    lines = [line for line in server.proc.stdout.read().split("\n") if line.strip()]
+    events = [json.loads(line)["event"] for line in lines]  # every line is one JSON object
+    assert "listening" in events and "request" in events
+
+
 def test_missing_model_fails_fast_with_a_clear_message(tmp_path) -> None:  # type: ignore[no-untyped-def]
     out = subprocess.run(
         [sys.executable, "-m", "millm_core.cli", "serve", "--model", str(tmp_path / "nope")],
