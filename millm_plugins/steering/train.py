@@ -199,6 +199,11 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
             raise ConfigError(f"{name} must be at least {low}")
     if not (math.isfinite(args.l1) and args.l1 >= 0 and math.isfinite(args.lr) and args.lr > 0):
         raise ConfigError("--l1 must be ≥ 0 and --lr > 0")
+    for text in args.text:  # checked before the model loads
+        if not os.path.isfile(text):
+            raise ConfigError(f"--text {text!r} is no file")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ConfigError(f"--out {args.out!r} is a file; name a directory (it is created if missing)")
     cfg = TrainConfig(layer=args.layer, features=args.features, tokens=args.tokens, epochs=args.epochs, l1=args.l1, lr=args.lr, seed=args.seed)
     model = load_served_model(settings)
     engine = model.engine

@@ -67,6 +67,12 @@ def test_train_refuses_a_layer_the_model_lacks(tiny_dir: str, tmp_path: pathlib.
     done = millm("sae", "train", "--model", tiny_dir, "--layer", "7", "--features", "8", "--tokens", "300", "--out", str(tmp_path / "x"))
     assert done.returncode == 2 and "--layer must be 0–1" in done.stderr
     assert not (tmp_path / "x").exists()
+    # A text that is not there, an --out that is a file: one line each, before the model loads.
+    (tmp_path / "a-file").write_text("x")
+    for extra, says in ((["--text", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "y")], "is no file"),
+                        (["--out", str(tmp_path / "a-file")], "is a file; name a directory")):  # fmt: skip
+        done = millm("sae", "train", "--model", tiny_dir, "--layer", "0", "--features", "8", "--tokens", "300", *extra)
+        assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr[-1500:]
 
 
 def test_walkthrough_find_a_feature_and_steer_with_it(trained, make_server, tiny_engine) -> None:  # type: ignore[no-untyped-def]
