@@ -42,7 +42,7 @@ from .chatformat import (
 )
 from .codec import convert, decode_json, encode
 from .commands import Command
-from .config import PluginSetting, Settings, cache_root, parse_bool
+from .config import PluginSetting, Settings, cache_root, guarded_csv, parse_bool
 from .context import AppContext, Endpoint, RequestContext, Stash, StashKey
 from .contracts.chat import ChatCompletionRequest, ChatMessage
 from .contracts.common import Usage
@@ -107,7 +107,7 @@ from .fields import GENERATION_ENDPOINTS, FieldRule
 from .hookspecs import PROJECT, hookimpl
 from .jobs import RowsFailed
 from .loading import load_served_model, local_revision
-from .logs import configure_logging
+from .logs import configure_logging, progress_disabled
 from .memory import host_available_bytes
 from .openapi import RouteDoc
 from .pipeline_types import (
@@ -232,6 +232,7 @@ __all__ = [
     "batch_invariant",
     "cache_root",
     "configure_logging",
+    "progress_disabled",
     "convert",
     "declares",
     "decode_json",
@@ -245,6 +246,7 @@ __all__ = [
     "operator_chat_template",
     "refuse_tools_without_template",
     "hookimpl",
+    "guarded_csv",
     "key_location",
     "template_variables",
     "watching",

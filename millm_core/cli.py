@@ -288,7 +288,7 @@ async def _serve(settings: Settings) -> None:
         if stop.is_set():
             return
         error = await startup_load(app)
-        if error is not None:
+        if error is not None and not stop.is_set():  # a load cut short by a shutdown is no failure
             failed.append(error)
             stop.set()
 

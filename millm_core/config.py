@@ -118,10 +118,21 @@ def _keys(value: str) -> tuple[str, ...]:
     """API keys, comma-separated. A value that holds no key (blanks, commas) is refused: a
     key meant to guard the server that came out empty must not leave it open. ``""`` (an
     empty variable) means no keys."""
-    keys = _csv(value)
-    if value and not keys:
-        raise ValueError(f"{value!r} holds no key; give one or more keys, or nothing at all for none")
-    return keys
+    return guarded_csv(value, "key")
+
+
+def _hosts(value: str) -> tuple[str, ...]:
+    return guarded_csv(value, "host")
+
+
+def guarded_csv(value: str, what: str) -> tuple[str, ...]:
+    """A comma-separated list whose empty value means "no restriction" (API keys, allowed
+    hosts, SAE roots): a value that holds nothing but blanks and commas is refused rather
+    than read as that. ``""`` means none."""
+    items = _csv(value)
+    if value and not items:
+        raise ValueError(f"{value!r} holds no {what}; give one or more, or nothing at all for none")
+    return items
 
 
 def parse_bool(value: str) -> bool:
@@ -155,7 +166,7 @@ PARSERS: Mapping[str, object] = {
     "default_max_tokens": int,
     "max_rows_per_request": int,
     "api_key": _keys,
-    "allowed_hosts": _csv,
+    "allowed_hosts": _hosts,
     "read_timeout": int,
     "max_inflight": int,
     "max_connections": int,
@@ -236,15 +247,12 @@ def load_settings(
         raise ConfigError("--graceful-unload-timeout must be 0 or more seconds")
     if settings.read_timeout < 1:
         raise ConfigError("--read-timeout must be at least 1 second")
-    if not 1 <= settings.port <= 65535:
-        raise ConfigError(f"--port must be from 1 to 65535, not {settings.port}")
+    if not 0 <= settings.port <= 65535:
+        raise ConfigError(f"--port must be from 0 (any free port) to 65535, not {settings.port}")
     if settings.max_body_bytes < 1024:
         raise ConfigError(f"--max-body-bytes must be at least 1024 (a request needs room), not {settings.max_body_bytes}")
-    if settings.threads is not None and settings.threads < 1:
-        raise ConfigError(f"--threads must be at least 1 (leave it out for the engine library's own choice), not {settings.threads}")
-    missing = [root for root in settings.model_roots if not os.path.isdir(os.path.expanduser(root))]
-    if missing:
-        raise ConfigError(f"--model-roots: {', '.join(repr(r) for r in missing)} is no directory")
+    if settings.threads is not None and settings.threads < 0:
+        raise ConfigError(f"--threads must be 0 (the engine library's own choice) or more, not {settings.threads}")
     if settings.db is not None:
         try:
             check_db(settings.db)

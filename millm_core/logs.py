@@ -35,6 +35,13 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     )
 
 
+def progress_disabled() -> bool:
+    """tqdm's ``disable`` for a progress bar millm or a plugin draws: whether progress bars
+    are off (JSON logs, or ``TQDM_DISABLE`` set to a true value; read now, as tqdm reads its
+    own variables only once, when it is imported)."""
+    return os.environ.get("TQDM_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _no_progress_bars() -> None:
     os.environ["TQDM_DISABLE"] = "1"  # tqdm reads TQDM_* variables as its defaults
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when huggingface_hub is imported

@@ -111,10 +111,11 @@ def test_millm_serve_stops_when_its_model_cannot_be_loaded(tiny_dir: str) -> Non
         (["--cluster-intensity-min", "1", "--cluster-intensity-max", "0.5"], "--cluster-intensity-min 1 is above --cluster-intensity-max 0.5"),
         (["--circuit-intensity-min", "1", "--circuit-intensity-max", "0.5"], "--circuit-intensity-min 1 is above --circuit-intensity-max 0.5"),
         (["--sae-roots", "/nonexistent-sae-root"], "--sae-roots: '/nonexistent-sae-root' is no directory"),
-        (["--model-roots", "/nonexistent-model-root"], "--model-roots: '/nonexistent-model-root' is no directory"),
-        (["--port", "70000"], "--port must be from 1 to 65535"),
+        (["--port", "70000"], "--port must be from 0 (any free port) to 65535"),
         (["--max-body-bytes", "0"], "--max-body-bytes must be at least 1024"),
-        (["--threads", "0"], "--threads must be at least 1"),
+        (["--threads", "-2"], "--threads must be 0 (the engine library's own choice) or more"),
+        (["--allowed-hosts", " , "], "holds no host"),
+        (["--sae-roots", " , "], "holds no directory"),
         (["--prefix-cache-mb", "-1"], "--prefix-cache-mb '-1': must be ≥ 0"),  # a plugin's flag, in its own words
     ],
 )

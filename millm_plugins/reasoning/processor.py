@@ -203,8 +203,7 @@ class Reasoning:
         at = self._buf.find(self._fmt.close)
         if at >= 0:
             return self._closed(at)
-        if self._repeated_opening():
-            return ""
+        holding = self._repeated_opening()
         if not self._force:
             budget, spend = self._policy.budget, self._policy.spend
             if (budget is not None and self.reasoning_tokens >= budget) or (spend is not None and self.drawn + self._redirects >= spend):
@@ -212,7 +211,8 @@ class Reasoning:
                 self._force_close()
             elif self._guard is not None and self._rewinds < self._guard.max_rewinds:
                 self._loop()
-        self._emit_safe()
+        if not holding:  # the start is held while it may still be a repeated opening
+            self._emit_safe()
         return ""
 
     def _repeated_opening(self) -> bool:
@@ -225,9 +225,9 @@ class Reasoning:
         if head.startswith(self._fmt.open):
             self._buf = head[len(self._fmt.open) :]
             self._head_read = True
-        elif head and self._fmt.open.startswith(head):
-            return True
-        elif head:
+        elif not head or self._fmt.open.startswith(head):
+            return True  # only blanks so far, or what may still become the opening
+        else:
             self._head_read = True
         return False
 

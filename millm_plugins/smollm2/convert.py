@@ -17,7 +17,7 @@ import tempfile
 import structlog
 from tqdm import tqdm
 
-from millm_core.api import ConfigError
+from millm_core.api import ConfigError, progress_disabled
 
 log = structlog.get_logger("millm.smollm2")
 
@@ -51,15 +51,9 @@ def _sha256(path: str, bar: tqdm) -> str:
     return digest.hexdigest()
 
 
-def _quiet() -> bool | None:
-    """tqdm's ``disable``: off when ``TQDM_DISABLE`` is set now (JSON logs set it after tqdm
-    read its defaults), else tqdm's own rule for a stream that is no terminal."""
-    return True if os.environ.get("TQDM_DISABLE") else None
-
-
 def packaged_revision(gguf: str) -> str:
     """The GGUF's SHA-256 prefix: the revision the model is served under."""
-    with tqdm(total=os.path.getsize(gguf), unit="B", unit_scale=True, desc=f"{MODEL_NAME}: checking GGUF", leave=False, disable=_quiet()) as bar:
+    with tqdm(total=os.path.getsize(gguf), unit="B", unit_scale=True, desc=f"{MODEL_NAME}: checking GGUF", leave=False, disable=progress_disabled()) as bar:
         return _sha256(gguf, bar)[:12]
 
 
@@ -85,7 +79,7 @@ def _convert(gguf: str, target: str, revision: str) -> None:
     staging = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(target))
     steps = ["load GGUF (dequantise)", "save safetensors", "save tokenizer", "finish"]
     try:
-        with tqdm(total=len(steps), desc=f"{MODEL_NAME}: converting once", unit="step", disable=_quiet()) as bar:
+        with tqdm(total=len(steps), desc=f"{MODEL_NAME}: converting once", unit="step", disable=progress_disabled()) as bar:
             bar.set_postfix_str(steps[0])
             try:
                 model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)

@@ -31,6 +31,7 @@ from millm_core.api import (
     RouteDoc,
     StashKey,
     app_context,
+    guarded_csv,
     json_response,
     read_json,
     until_disconnect,
@@ -64,7 +65,9 @@ CEILING = PluginSetting(
 
 
 def _roots(value: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in value.split(",") if part.strip())
+    """Directories, comma-separated; a value of nothing but blanks and commas is refused
+    (it would read as "any path")."""
+    return guarded_csv(value, "directory")
 
 
 SAE_ROOTS: PluginSetting[tuple[str, ...]] = PluginSetting(

@@ -192,7 +192,7 @@ def _configure(parser: argparse.ArgumentParser, add_settings: Callable[[argparse
 def _run(args: argparse.Namespace, settings: Settings) -> int:
     from tqdm import tqdm
 
-    from millm_core.api import load_served_model
+    from millm_core.api import load_served_model, progress_disabled
 
     for name, value, low in (("--features", args.features, 1), ("--tokens", args.tokens, 256), ("--epochs", args.epochs, 1)):
         if value < low:
@@ -216,9 +216,10 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     tokens = sum(len(c) for c in chunks)
     if tokens < cfg.tokens:
         sys.stderr.write(f"note: the text holds {tokens} tokens, fewer than --tokens {cfg.tokens}; training on all of it\n")
-    with tqdm(total=tokens, desc="activations", unit="tok", file=sys.stderr) as progress:
+    quiet = progress_disabled()  # never into JSON logs
+    with tqdm(total=tokens, desc="activations", unit="tok", file=sys.stderr, disable=quiet) as progress:
         acts = collect(engine, chunks, cfg.layer, progress)
-    arrays, stats = train(acts, cfg, lambda **kw: tqdm(file=sys.stderr, **kw))
+    arrays, stats = train(acts, cfg, lambda **kw: tqdm(file=sys.stderr, disable=quiet, **kw))
     write(args.out, arrays, cfg, model.info.served_name, tokens, stats)
     summary = {"out": os.path.abspath(args.out), "model": model.info.served_name, "layer": cfg.layer, "d_sae": cfg.features, "tokens": tokens, **stats}
     summary["seconds"] = round(time.monotonic() - started, 1)

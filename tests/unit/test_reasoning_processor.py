@@ -67,3 +67,15 @@ def test_an_opening_the_model_writes_again_is_not_reasoning() -> None:
     for i, piece in enumerate(["<", "th", "ought", " <think> later"]):
         _draw(proc, 100 + i, piece)
     assert _reasoning(proc) == "<thought <think> later"
+
+
+def test_blanks_before_a_repeated_opening_and_a_budget_spent_while_holding() -> None:
+    proc = _row()
+    for i, piece in enumerate(["  ", "<think>", "hi"]):
+        _draw(proc, 100 + i, piece)
+    assert _reasoning(proc) == "hi"
+    # The budget is spent on a token that may still begin an opening: the close is forced anyway.
+    spent = _row(budget=1)
+    _draw(spent, 100, "<")  # held: it may begin "<think>"
+    assert spent.logit_bias() == {FMT.close_nl_ids[0]: 30000.0}
+    assert _reasoning(spent) == "<"  # the row ends: what was held is reasoning after all

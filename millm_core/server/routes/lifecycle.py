@@ -199,9 +199,12 @@ def _load_on_model_thread(state: AppState, candidate: Candidate, location: Model
             raise ModelDoesNotFit(
                 f"'{candidate.id}' does not fit in the device's memory: its files take {_files_mib(location.path):.0f} MiB on disk"
             ) from exc
-        if isinstance(exc, ConfigError):  # the server's settings do not fit this model: say which
+        if isinstance(exc, ConfigError):  # the server's settings do not fit this model: the log says which (it may name paths)
             log.warning("model_load_failed", model=candidate.id, error=str(exc))
-            raise ModelLoadFailed(f"loading '{candidate.id}' with the {factory.name} engine failed: {exc}") from exc
+            raise ModelLoadFailed(
+                f"loading '{candidate.id}' with the {factory.name} engine failed: the server's settings do not fit this model "
+                "(ConfigError); the server log says which"
+            ) from exc
         log.exception("model_load_failed", model=candidate.id, engine=factory.name)
         raise ModelLoadFailed(
             f"loading '{candidate.id}' with the {factory.name} engine failed ({type(exc).__name__}); the server log has the details"
