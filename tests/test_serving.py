@@ -110,7 +110,6 @@ def test_millm_serve_stops_when_its_model_cannot_be_loaded(tiny_dir: str) -> Non
     [
         (["--cluster-intensity-min", "1", "--cluster-intensity-max", "0.5"], "--cluster-intensity-min 1 is above --cluster-intensity-max 0.5"),
         (["--circuit-intensity-min", "1", "--circuit-intensity-max", "0.5"], "--circuit-intensity-min 1 is above --circuit-intensity-max 0.5"),
-        (["--sae-roots", "/nonexistent-sae-root"], "--sae-roots: '/nonexistent-sae-root' is no directory"),
         (["--port", "70000"], "--port must be from 0 (any free port) to 65535"),
         (["--max-body-bytes", "0"], "--max-body-bytes must be at least 1024"),
         (["--threads", "-2"], "--threads must be 0 (the engine library's own choice) or more"),

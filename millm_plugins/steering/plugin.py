@@ -14,7 +14,6 @@ and ``X-miLLM-Steering``, and sets the headers a contribution brings.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -94,9 +93,6 @@ def millm_startup(app: AppContext) -> None:
     floor, ceiling = float(FLOOR.get(app.settings)), float(CEILING.get(app.settings))
     if floor > ceiling:
         raise ConfigError(f"--cluster-intensity-min {floor:g} is above --cluster-intensity-max {ceiling:g}")
-    missing = [root for root in SAE_ROOTS.get(app.settings) if not os.path.isdir(os.path.expanduser(root))]
-    if missing:
-        raise ConfigError(f"--sae-roots: {', '.join(repr(r) for r in missing)} is no directory")
     state = app.stash[STATE] = SteeringState(store=app.store)
     state.start_watching()
     app.stash[USAGE] = Counter(
