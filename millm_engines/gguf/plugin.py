@@ -25,7 +25,8 @@ from millm_core.api import (
 
 MILLM_PLUGIN_KIND = "engine"
 NAME = "gguf"
-ENGINE = "llama.cpp"
+# What ModelInfo.engine says: the name `--engine` takes, as /api/models lists an unloaded file.
+ENGINE = NAME
 CAPABILITIES = frozenset(
     {
         Capability.GENERATE,

@@ -21,7 +21,10 @@ QUESTION = [{"role": "user", "content": "What is the capital of France? Answer i
 def test_default_model_is_listed(smollm2_server: ServeProcess) -> None:
     client = openai.OpenAI(base_url=smollm2_server.base_url + "/v1", api_key="x", max_retries=0)
     models = client.models.list().data
-    assert [m.id for m in models] == ["SmolLM2-135M-Instruct"]
+    # The loaded conversion first, then the packaged GGUF file under its own name (a request
+    # naming it would load it on llama.cpp).
+    assert [m.id for m in models] == ["SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct-GGUF:Q4_1"]
+    assert models[1].model_extra["millm"]["state"] == "available"
     details = models[0].model_extra["millm"]
     assert (details["d_model"], details["n_layers"], details["context_length"]) == (576, 30, 8192)
 

@@ -24,7 +24,7 @@ def greedy(engine: Any, ids: list[int], n: int) -> list[int]:
 
 def test_file_matches_the_hf_weights(gguf_model, tiny_engine) -> None:  # type: ignore[no-untyped-def]
     engine = gguf_model.engine
-    assert (gguf_model.info.engine, gguf_model.info.quantization, gguf_model.info.served_name) == ("llama.cpp", "F32", "tiny:F32")
+    assert (gguf_model.info.engine, gguf_model.info.quantization, gguf_model.info.served_name) == ("gguf", "F32", "tiny:F32")
     for text in PROMPTS:
         ids = tiny_engine.encode(text, add_special_tokens=True)
         assert engine.encode(text, add_special_tokens=True) == ids  # the same tokenizer, BOS rule included

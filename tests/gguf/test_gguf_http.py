@@ -32,7 +32,7 @@ def test_chat_and_completions_match_the_transformers_engine(gguf_server, server)
     reference = post(server, "/v1/chat/completions", model="tiny", messages=MESSAGES, max_tokens=16, temperature=0).json()
     assert resp.choices[0].message.content == reference["choices"][0]["message"]["content"]
     assert resp.usage is not None and resp.usage.completion_tokens == reference["usage"]["completion_tokens"]
-    assert resp.system_fingerprint is not None and resp.system_fingerprint.endswith(":f32/F32:llama.cpp")
+    assert resp.system_fingerprint is not None and resp.system_fingerprint.endswith(":f32/F32:gguf")
     assert raw.headers["x-millm-steering"] == "none"
     text = post(gguf_server, "/v1/completions", model="tiny:F32", prompt=["The capital", "def f"], max_tokens=8, temperature=0).json()
     text_ref = post(server, "/v1/completions", model="tiny", prompt=["The capital", "def f"], max_tokens=8, temperature=0).json()
@@ -81,7 +81,7 @@ def test_refusals_name_the_field(gguf_server, field: str, value: Any) -> None:  
     assert error["param"] == ("logprobs" if field == "top_logprobs" else field)  # the first refused field of the request
     # The message says why: the capability the engine lacks, or that nothing declares the field.
     why = {"tools": "takes no tools"}
-    assert why.get(field, "the llama.cpp engine lacks the capability") in error["message"], error["message"]
+    assert why.get(field, "the gguf engine lacks the capability") in error["message"], error["message"]
 
 
 def test_scoring_and_float32_scoring_are_refused(gguf_server) -> None:  # type: ignore[no-untyped-def]

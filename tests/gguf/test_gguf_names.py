@@ -58,3 +58,26 @@ def test_millm_lists_and_refuses_cached_names(tmp_path: pathlib.Path, gguf_path:
     assert {"acme/Tiny-GGUF", "acme/Tiny-GGUF:F32", "acme/Tiny-GGUF:Q8_0"} <= set(names)
     bare = subprocess.run([sys.executable, "-m", "millm_core.cli", "serve", "--model", "acme/Tiny-GGUF", "--port", "1"], capture_output=True, text=True, env=env, timeout=120)
     assert bare.returncode == 2 and "acme/Tiny-GGUF:F32, acme/Tiny-GGUF:Q8_0" in bare.stderr
+
+
+def test_the_packaged_model_has_one_name_per_engine(tmp_path: pathlib.Path) -> None:
+    """The smollm2 plugin offers the packaged model twice, each under the name it is served
+    by: converted for transformers, and the GGUF file itself (the default on ``--engine
+    gguf``). Naming the conversion on ``--engine gguf`` is refused with the other name (it
+    used to load the same file again under a second name)."""
+    from millm_core.config import load_settings
+    from millm_core.lifecycle import candidates
+    from millm_core.loading import locate
+    from millm_core.server.app import build_host
+
+    settings = load_settings({"engine": "gguf", "cache_dir": str(tmp_path)}, environ={})
+    host = build_host(settings)
+    default = locate(settings, host)
+    assert default.served_name == "SmolLM2-135M-Instruct-GGUF:Q4_1" and default.path.endswith(".gguf")
+    listed = candidates(settings, host)
+    assert {"SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct-GGUF:Q4_1"} <= set(listed)
+    assert listed["SmolLM2-135M-Instruct-GGUF:Q4_1"].locate().path == default.path
+    named = load_settings({"engine": "gguf", "cache_dir": str(tmp_path), "model": "SmolLM2-135M-Instruct"}, environ={})
+    with pytest.raises(ConfigError, match=r"--engine gguf serves the packaged file itself as SmolLM2-135M-Instruct-GGUF:Q4_1"):
+        locate(named, host)
+    assert not list(tmp_path.iterdir())  # nothing was converted
