@@ -40,6 +40,11 @@ class FieldRule:
 CORE_NEUTRAL: Mapping[str, Callable[[Any], bool]] = {
     "n": lambda v: v == 1,
     "stream": lambda v: v is False,
+    # OpenAI's defaults for its sampling fields (clients such as LangChain send them always).
+    "top_p": lambda v: v == 1,
+    "frequency_penalty": lambda v: v == 0,
+    "presence_penalty": lambda v: v == 0,
+    "stop": lambda v: v == [],
 }
 
 

@@ -50,7 +50,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     choice (index 1, 2, … after ``messages``), in one batch."""
 
     messages: Conversation
-    extra_messages: Annotated[list[Conversation], Meta(max_length=255)] | None | UnsetType = UNSET
+    extra_messages: list[Conversation] | None | UnsetType = UNSET  # --max-rows-per-request bounds them
     chat_template_kwargs: dict[str, Any] | None | UnsetType = UNSET
 
     def conversations(self) -> list[list[ChatMessage]]:

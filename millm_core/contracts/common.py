@@ -13,7 +13,8 @@ TopP = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Seed = Annotated[int, Meta(ge=0, le=2**32 - 1)]
 PositiveInt = Annotated[int, Meta(ge=1)]
-ChoiceCount = Annotated[int, Meta(ge=1, le=64)]
+# No upper bound here: --max-rows-per-request governs rows (400 too_many_rows).
+ChoiceCount = Annotated[int, Meta(ge=1)]
 StopString = Annotated[str, Meta(min_length=1, max_length=1024)]
 StopList = Annotated[list[StopString], Meta(max_length=4)]
 

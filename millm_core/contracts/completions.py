@@ -9,7 +9,8 @@ from msgspec import UNSET, Meta, UnsetType
 
 from .common import FinishReason, SamplingFields, Usage
 
-PromptList = Annotated[list[str], Meta(min_length=1, max_length=64)]
+# No upper bound here: --max-rows-per-request governs rows (400 too_many_rows).
+PromptList = Annotated[list[str], Meta(min_length=1)]
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

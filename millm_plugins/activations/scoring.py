@@ -23,6 +23,8 @@ NOTE = (
 class ScoringActivations:
     """A scoring reader (see :mod:`millm_plugins.scoring.contrib`)."""
 
+    field = "return_sae_activations"
+
     def __init__(self, select: Callable[[Any, Any], Selected]) -> None:
         self._select = select
 

@@ -76,8 +76,9 @@ def select(asked: ReturnSAEActivations, attachments: Iterable[tuple[str, int]], 
     candidates = [(s, layer) for s, layer in attached if asked.sae_id in (None, s) and asked.layer in (None, layer)]
     if not candidates:
         at = f" at layer {asked.layer}" if asked.layer is not None else ""
-        what = f"SAE {asked.sae_id!r}" if asked.sae_id is not None else "no SAE"
-        raise SAENotAttached(f"{what} is not attached{at}", param=f"{PARAM}.sae_id" if asked.sae_id is not None else f"{PARAM}.layer")
+        where = ", ".join(f"({s}, layer {layer})" for s, layer in attached)
+        what = f"SAE {asked.sae_id!r} is not attached{at}" if asked.sae_id is not None else f"no SAE is attached{at}"
+        raise SAENotAttached(f"{what} (attached: {where})", param=f"{PARAM}.sae_id" if asked.sae_id is not None else f"{PARAM}.layer")
     if len(candidates) > 1:
         listed = ", ".join(f"({s}, layer {layer})" for s, layer in candidates)
         name = "layer" if asked.sae_id is not None else "sae_id"

@@ -23,10 +23,11 @@ def check_inputs(texts: Sequence[str], single: bool, max_inputs: int) -> None:
             param="input",
         )
     empty = [i for i, text in enumerate(texts) if text == ""]
-    if empty:
-        where = "input" if single else f"input[{empty[0]}]"
+    if empty:  # param is the field (as the contract says); the message names the indexes
+        if single:
+            raise InvalidRequest("input is an empty string; every input needs text", param="input")
         listed = ", ".join(str(i) for i in empty[:LISTED_OVER_LIMIT])
-        raise InvalidRequest(f"input has empty strings at index {listed}; every input needs text", param=where)
+        raise InvalidRequest(f"input has empty strings at index {listed}; every input needs text", param="input")
 
 
 def check_lengths(lengths: Sequence[int], limit: int, single: bool) -> None:

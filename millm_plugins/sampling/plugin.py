@@ -15,10 +15,8 @@ from millm_core.api import (
     ChatRender,
     Execution,
     FieldRule,
-    Finalization,
     ForwardPlan,
     Generate,
-    Outcome,
     PluginSetting,
     Problem,
     RequestContext,
@@ -171,11 +169,3 @@ def millm_pre_forward(ctx: RequestContext, request: Any, plan: ForwardPlan) -> N
             return Penalties(frequency, presence)
 
         plan.add_processor(_penalties)
-
-
-@hookimpl
-def millm_finalize(ctx: RequestContext, request: Any, outcome: Outcome, out: Finalization) -> None:
-    """A scored request's seed changes nothing it returns, but the promise is stated the
-    same way as for generation (pre-forward already set it there)."""
-    if outcome.kind == "scoring" and ctx.endpoint != "embeddings" and _set(request.seed):
-        out.headers[SEED_HEADER] = seed_header(int(request.seed), request)

@@ -8,7 +8,9 @@ a function that the scoring plugin runs on the model thread (``AppContext.run_mo
 after the pass. ``prepare`` may raise a request error (a 4xx): the request is then refused
 before any model work. The reader keeps what it computed (in ``ctx.stash``) and reports it
 from its own ``millm_finalize`` (``outcome.kind == "scoring"``). Scoring is unsteered, so
-whatever a reader reads is too.
+whatever a reader reads is too. A reader reads the served model in its own precision, so a
+``scoring_precision: "float32"`` request for which a reader has work is refused (400
+``field_not_honoured``, naming the reader's optional ``field`` attribute in its message).
 """
 
 from __future__ import annotations

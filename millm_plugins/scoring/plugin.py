@@ -19,7 +19,9 @@ from millm_core.api import (
     Compute,
     ContextLengthExceeded,
     Execution,
+    FieldNotHonoured,
     FieldRule,
+    Finalization,
     InvalidRequest,
     Outcome,
     PluginSetting,
@@ -34,6 +36,7 @@ from millm_core.api import (
     prompt_ids,
     refuse_empty,
 )
+from millm_plugins.sampling.public import SEED_HEADER, seed_header
 
 from .contrib import readers
 from .logprobs import score_row
@@ -101,9 +104,13 @@ def millm_register_request_fields(register: Callable[[RequestField[Any]], None])
 @hookimpl
 def millm_register_fields(register: Callable[[FieldRule], None]) -> None:
     scoring = "scoring mode"
-    # What a scoring request needs even where nothing generates (--plugins scoring).
+    # What a scoring request needs or accepts even where nothing generates (--plugins
+    # scoring): the fields that cannot change a scored answer are reported, a seed echoed.
     for name in ("max_tokens", "max_completion_tokens", "n", "temperature"):
         register(FieldRule(name, GENERATION_ENDPOINTS, by=NAME, requires=Capability.SCORING, condition=scoring))
+    for name in INERT_WHEN_SCORING:
+        register(FieldRule(name, GENERATION_ENDPOINTS, by=NAME, requires=Capability.SCORING, condition=f"{scoring}: reported, unused"))
+    register(FieldRule("seed", GENERATION_ENDPOINTS, by=NAME, requires=Capability.SCORING, condition=f"{scoring}: echoed, changes nothing"))
 
 
 def _problems_outside_scoring(request: Any) -> Iterable[Problem]:
@@ -224,7 +231,17 @@ async def _score(ctx: RequestContext, request: Any, model: ServedModel, prompts:
     precision = PRECISION.get(request)
     float32 = precision == "float32"
     device, headroom = DEVICE.get(ctx.settings), HEADROOM.get(ctx.settings)
-    reads = [work for reader in readers(ctx.app) if (work := reader.prepare(ctx, request, model, prompts)) is not None]
+    prepared = [(reader, work) for reader in readers(ctx.app) if (work := reader.prepare(ctx, request, model, prompts)) is not None]
+    if float32 and prepared:
+        # Readers read the served model (in its own precision), never the float32 copy:
+        # refused rather than reported as float32.
+        fields = ", ".join(sorted({str(getattr(reader, "field", "a read of the scoring pass")) for reader, _ in prepared}))
+        raise FieldNotHonoured(
+            f'scoring_precision "float32" is not served with {fields}: it reads the model in the precision it is served in; '
+            'send scoring_precision "native"',
+            param="scoring_precision",
+        )
+    reads = [work for _, work in prepared]
     if chat:
         # Each conversation alone (a padded batch moves logprobs in their last digits): a
         # conversation's scores never depend on the others sent with it.
@@ -288,6 +305,14 @@ async def _score(ctx: RequestContext, request: Any, model: ServedModel, prompts:
         body = response
     outcome = Outcome(choices=tuple(outcome_choices), prompt_tokens=prompt_tokens, completion_tokens=0, kind="scoring")
     return Reply(body=body, outcome=outcome, headers=headers)
+
+
+@hookimpl
+def millm_finalize(ctx: RequestContext, request: Any, outcome: Outcome, out: Finalization) -> None:
+    """A scored request's seed changes nothing it returns, but its promise is stated as
+    generation states it (``X-miLLM-Seed``)."""
+    if outcome.kind == "scoring" and ctx.endpoint != "embeddings" and _sent(getattr(request, "seed", None)):
+        out.headers[SEED_HEADER] = seed_header(int(request.seed), request)
 
 
 @hookimpl

@@ -345,6 +345,20 @@ def test_a_text_completion_reads_its_prompt_with_special_tokens_then_its_complet
     assert_matches(listed, want)
 
 
+def test_float32_scoring_is_refused_with_activations(act_server: Any) -> None:
+    """The reads come from the served model (not the float32 copy): a float32 scoring
+    request that asks for them is refused, not reported as float32; native is served."""
+    body = {"model": "tiny", "prompt": COMPLETION_PROMPT, "max_tokens": 1, "logprobs": 1, "return_sae_activations": {"top_k": 2}}
+    refused = httpx.post(act_server.base_url + "/v1/completions", json={**body, "scoring_precision": "float32"}, timeout=60)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["code"], error["param"]) == ("field_not_honoured", "scoring_precision") and "return_sae_activations" in error["message"]
+    native = httpx.post(act_server.base_url + "/v1/completions", json={**body, "scoring_precision": "native"}, timeout=60)
+    assert native.status_code == 200 and native.json()["millm"]["sae_activations"]["read_point"] == "unsteered", native.text
+    alone = httpx.post(act_server.base_url + "/v1/completions", json={**body, "scoring_precision": "float32", "return_sae_activations": None}, timeout=60)
+    assert alone.status_code == 200 and alone.headers["x-millm-scoring-precision"] == "float32", alone.text
+
+
 def test_several_prompts_are_refused(act_server: Any) -> None:
     body = {"model": "tiny", "prompt": ["a", "b"], "max_tokens": 2, "return_sae_activations": {"top_k": 2}}
     resp = httpx.post(act_server.base_url + "/v1/completions", json=body, timeout=60)
@@ -363,6 +377,9 @@ def test_no_sae_attached_or_an_ambiguous_choice(make_server: Any, sae_paths: dic
         assert "(reader, layer 1)" in both.json()["error"]["message"] and "(other, layer 1)" in both.json()["error"]["message"]
         named = chat(srv, {"top_k": 2, "sae_id": "other"})
         assert named.status_code == 200 and named.json()["millm"]["sae_activations"]["sae_id"] == "other"
+        elsewhere = chat(srv, {"top_k": 2, "layer": 0}).json()["error"]
+        assert (elsewhere["code"], elsewhere["param"]) == ("sae_not_attached", "return_sae_activations.layer")
+        assert elsewhere["message"].startswith("no SAE is attached at layer 0 (attached: "), elsewhere
 
 
 def test_an_sae_attached_at_two_layers_is_read_at_the_layer_named(make_server: Any, sae_paths: dict[str, str], tiny_engine: Any) -> None:

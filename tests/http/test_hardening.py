@@ -293,6 +293,20 @@ def test_rows_per_request_are_capped_by_name(make_server) -> None:  # type: igno
         assert _chat(srv.base_url, n=2).status_code == 200
 
 
+def test_the_row_cap_is_the_setting_not_the_schema(server, make_server) -> None:  # type: ignore[no-untyped-def]
+    """Prompts, n and conversations are counted against --max-rows-per-request alone: 65
+    prompts are too_many_rows under the default 64 and served under 128 (the request
+    schema capped prompt lists and n at 64 whatever the setting said)."""
+    prompts = [f"p{i}" for i in range(65)]
+    over = httpx.post(server.base_url + "/v1/completions", json={"model": "tiny", "prompt": prompts, "max_tokens": 1}, timeout=60)
+    assert (over.status_code, over.json()["error"]["code"], over.json()["error"]["param"]) == (400, "too_many_rows", "prompt"), over.text
+    with make_server(max_rows_per_request=128) as srv:
+        many = httpx.post(srv.base_url + "/v1/completions", json={"model": "tiny", "prompt": prompts, "max_tokens": 1}, timeout=120)
+        assert many.status_code == 200 and len(many.json()["choices"]) == 65, many.text
+        choices = _chat(srv.base_url, n=65, max_tokens=1)
+        assert choices.status_code == 200 and len(choices.json()["choices"]) == 65, choices.text
+
+
 def test_scoring_checks_the_context_window(short_context_server) -> None:  # type: ignore[no-untyped-def]
     resp = httpx.post(short_context_server.base_url + "/v1/completions", json={"model": "tiny", "prompt": "word " * 200, "max_tokens": 1, "logprobs": 1})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", resp.text

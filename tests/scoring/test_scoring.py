@@ -261,3 +261,18 @@ def test_scoring_only_deployment(make_server) -> None:  # type: ignore[no-untype
         plain = post(srv, "/v1/completions", {"prompt": "hi"})
         assert plain.status_code == 400 and "no enabled plugin serves" in plain.json()["error"]["message"]
         assert httpx.get(srv.base_url + "/api/health/inference").json()["scheduler"]["steps"] == 0
+        # What a client sends with every call (OpenAI's defaults) is accepted; fields that
+        # cannot change a scored answer are reported and a seed echoed, as on a full server.
+        body = {"prompt": PROMPT, "max_tokens": 1, "logprobs": 2, "temperature": 1.0}
+        defaults = post(srv, "/v1/completions", {**body, "top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "stop": []})
+        assert defaults.status_code == 200, defaults.text
+        assert defaults.headers["x-millm-ignored-fields"] == '"top_p", "stop", "frequency_penalty", "presence_penalty"'
+        assert defaults.json()["choices"] == scored.json()["choices"]
+        inert = post(srv, "/v1/completions", {**body, "top_p": 0.5, "stop": ["x"], "presence_penalty": 1, "seed": 7})
+        assert inert.status_code == 200, inert.text
+        assert inert.headers["x-millm-ignored-fields"] == '"top_p", "stop", "presence_penalty"'
+        assert inert.headers["x-millm-seed"] == '7;scope="request"'
+        assert inert.json()["choices"] == scored.json()["choices"]
+        # top_k is the sampling plugin's field: with that plugin off nothing declares it.
+        top_k = post(srv, "/v1/completions", {**body, "top_k": 5})
+        assert (top_k.status_code, top_k.json()["error"]["param"]) == (400, "top_k"), top_k.text

@@ -32,7 +32,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "presence_penalty": (-2.0, 2.0),
     "seed": (0, 2**32 - 1),
     "max_tokens": (1, math.inf),  # bounded later by the context window
-    "n": (1, 64),
+    "n": (1, math.inf),  # bounded by --max-rows-per-request (400 too_many_rows)
 }
 INTEGER_FIELDS = {"top_k", "seed", "max_tokens", "n"}
 
@@ -124,3 +124,16 @@ def test_any_json_body_decodes_or_raises_invalid_request(body: dict[str, Any]) -
             assert exc.status == 400
         else:
             assert isinstance(decoded, msgspec.Struct)
+
+
+def test_openai_sampling_defaults_ask_for_nothing() -> None:
+    """OpenAI's defaults for its sampling fields are neutral: with no plugin honouring
+    them (nothing registered), they are not refused; any other value is."""
+    from millm_core.contracts.completions import CompletionRequest
+    from millm_core.fields import FieldPolicy
+
+    policy = FieldPolicy()
+    defaults = msgspec.convert({"model": "m", "prompt": "x", "top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "stop": []}, CompletionRequest)
+    assert policy.refusals(defaults, "completions", frozenset(), ("model", "prompt")) == []
+    changed = msgspec.convert({"model": "m", "prompt": "x", "top_p": 0.9, "frequency_penalty": 0.5, "presence_penalty": -1, "stop": ["."]}, CompletionRequest)
+    assert policy.refusals(changed, "completions", frozenset(), ("model", "prompt")) == ["top_p", "stop", "frequency_penalty", "presence_penalty"]
