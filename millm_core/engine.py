@@ -462,7 +462,9 @@ class Embedder(Protocol):
 
     def embed(self, inputs: Sequence[Sequence[int]], pooling: str) -> list[list[float]]:
         """One float32 vector per input from the last hidden layer: ``mean`` over real
-        tokens, the ``last`` real token, or the first (``cls``). Unsteered, always."""
+        tokens, the ``last`` real token, or the first (``cls``). Unsteered, always. An
+        input's vector is a function of that input alone, bit for bit: never of the other
+        inputs of the call (no padding to their lengths)."""
 
 
 @runtime_checkable
@@ -472,7 +474,8 @@ class ResidualReader(Protocol):
 
     def residuals(self, inputs: Sequence[Sequence[int]], layer: int) -> list[Any]:
         """For each input, the output of decoder block ``layer`` (resid_post) at every
-        position: a float32 numpy array ``[len(input), d_model]``. Unsteered, always."""
+        position: a float32 numpy array ``[len(input), d_model]``. Unsteered, always; a
+        function of that input alone, bit for bit (as :meth:`Embedder.embed`)."""
 
 
 @runtime_checkable
@@ -483,8 +486,9 @@ class Scorer(Protocol):
     def next_token_logits(
         self, prompts: Sequence[Sequence[int]], *, float32: bool = False, float32_device: str = "auto", headroom_mb: int = 0
     ) -> Any:
-        """A float32 array ``[len(prompts), vocab]`` of the logits after each prompt, from
-        one batched forward pass. With ``float32`` the pass runs on a temporary float32
+        """A float32 array ``[len(prompts), vocab]`` of the logits after each prompt; a
+        prompt's row is a function of that prompt alone, bit for bit (never padded to the
+        others' lengths). With ``float32`` the pass runs on a temporary float32
         copy of the model (the served weights are never changed), or raises
         :class:`~millm_core.errors.ScoringPrecisionUnavailable`."""
 

@@ -501,19 +501,19 @@ class TransformersEngine:
         self, prompts: Sequence[Sequence[int]], *, float32: bool = False, float32_device: str = "auto", headroom_mb: int = 0
     ) -> Any:
         if not float32:
-            return last_logits(self.model, prompts, self._pad_id)
+            return last_logits(self.model, prompts)
         with self._fp32.copy_of(self.model, float32_device, headroom_mb) as copy:
-            return last_logits(copy, prompts, self._pad_id)
+            return last_logits(copy, prompts)
 
     # ------------------------------------------------------------------ embeddings
 
     def embed(self, inputs: Sequence[Sequence[int]], pooling: str) -> list[list[float]]:
         """Pooled last hidden states (see :func:`.forward.embed`)."""
-        return embed(self.model, inputs, pooling, self._pad_id, self.device)
+        return embed(self.model, inputs, pooling, self.device)
 
     def residuals(self, inputs: Sequence[Sequence[int]], layer: int) -> list[Any]:
         """Block ``layer``'s output per position (see :func:`.forward.residuals`)."""
-        return residuals(self.model, inputs, layer, self._pad_id, self.device)
+        return residuals(self.model, inputs, layer, self.device)
 
     def close(self, batch: HFBatch) -> None:
         self._rows = 0

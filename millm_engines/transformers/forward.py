@@ -1,5 +1,12 @@
 """Whole-input forward passes outside generation: next-token scores, pooled embeddings and
-one block's residual stream, over batches of padded inputs (no KV cache, no sampling)."""
+one block's residual stream (no KV cache, no sampling).
+
+Each input runs in a pass of its own, so what it gets is a function of that input alone.
+A padded batch would make it depend on the inputs sent with it: bf16 attention reduces
+over the masked padding in another order, and float32 products pick their kernels by
+row count. A score, an embedding or a probe's reading must not change with its company
+(measured on SmolLM2 in bf16: an embedding moved by up to 0.1 beside a longer input).
+"""
 
 from __future__ import annotations
 
@@ -9,77 +16,39 @@ from typing import Any
 
 import torch
 
-EMBED_BATCH = 16
-SCORE_BATCH = 64
-
 
 class _Stop(Exception):
     """Raised by a forward hook to end a pass after the block it reads."""
 
 
-def last_logits(model: Any, prompts: Sequence[Sequence[int]], pad_id: int) -> Any:
-    """The next-token logits after each prompt (float32, ``[prompts, vocab]`` numpy): one
-    left-padded forward pass per ``SCORE_BATCH`` prompts, last position only, on whichever
-    device ``model`` lives (a float32 copy may live elsewhere)."""
-    out = []
-    for start in range(0, len(prompts), SCORE_BATCH):
-        chunk = prompts[start : start + SCORE_BATCH]
-        width = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for row, prompt in enumerate(chunk):
-            ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-            mask[row, width - len(prompt) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp_(min=0)
-        padded = any(len(p) != width for p in chunk)
-        device = next(model.parameters()).device
-        logits = model(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device) if padded else None,
-            position_ids=positions.to(device),
-            use_cache=False,
-            logits_to_keep=1,
-        ).logits[:, -1, :]
-        out.append(logits.float().cpu())
-    return torch.cat(out).numpy()
-
-
-def right_padded(chunk: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids, attention mask)`` for sequences padded on the right."""
-    width = max(len(seq) for seq in chunk)
-    ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(chunk), width), dtype=torch.long)
-    for row, seq in enumerate(chunk):
-        ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
-        mask[row, : len(seq)] = 1
-    return ids, mask
+def _ids(seq: Sequence[int], device: Any) -> torch.Tensor:
+    return torch.tensor([list(seq)], dtype=torch.long, device=device)
 
 
 @torch.inference_mode()
-def embed(model: Any, inputs: Sequence[Sequence[int]], pooling: str, pad_id: int, device: Any) -> list[list[float]]:
-    """Pooled last hidden states (``last``, ``cls`` or mean), right-padded batches of
-    ``EMBED_BATCH``."""
+def last_logits(model: Any, prompts: Sequence[Sequence[int]]) -> Any:
+    """The next-token logits after each prompt (float32, ``[prompts, vocab]`` numpy), last
+    position only, on whichever device ``model`` lives (a float32 copy may live elsewhere)."""
+    device = next(model.parameters()).device
+    out = [model(input_ids=_ids(prompt, device), use_cache=False, logits_to_keep=1).logits[:, -1, :].float().cpu() for prompt in prompts]
+    return torch.cat(out).numpy()
+
+
+@torch.inference_mode()
+def embed(model: Any, inputs: Sequence[Sequence[int]], pooling: str, device: Any) -> list[list[float]]:
+    """Pooled last hidden states: the ``last`` token's, the first's (``cls``), or the mean."""
     base = model.base_model
     vectors: list[list[float]] = []
-    for start in range(0, len(inputs), EMBED_BATCH):
-        chunk = inputs[start : start + EMBED_BATCH]
-        lengths = torch.tensor([len(ids) for ids in chunk])
-        ids, mask = right_padded(chunk, pad_id)
-        hidden = base(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state.float()
-        if pooling == "last":
-            pooled = hidden[torch.arange(len(chunk)), lengths - 1]
-        elif pooling == "cls":
-            pooled = hidden[:, 0]
-        else:
-            weights = mask.to(hidden.device, hidden.dtype)[..., None]
-            pooled = (hidden * weights).sum(1) / weights.sum(1)
-        vectors.extend(pooled.cpu().tolist())
+    for seq in inputs:
+        hidden = base(input_ids=_ids(seq, device)).last_hidden_state[0].float()
+        pooled = hidden[-1] if pooling == "last" else hidden[0] if pooling == "cls" else hidden.sum(0) / len(seq)
+        vectors.append(pooled.cpu().tolist())
     return vectors
 
 
-def residuals(model: Any, inputs: Sequence[Sequence[int]], layer: int, pad_id: int, device: Any) -> list[Any]:
-    """Block ``layer``'s output per position (float32 numpy, one array per input),
-    right-padded batches of ``EMBED_BATCH``; the blocks after ``layer`` are not run."""
+def residuals(model: Any, inputs: Sequence[Sequence[int]], layer: int, device: Any) -> list[Any]:
+    """Block ``layer``'s output per position (float32 numpy, one array per input); the
+    blocks after ``layer`` are not run."""
     blocks = model.model.layers
     if not 0 <= layer < len(blocks):
         raise ValueError(f"layer {layer} is outside 0..{len(blocks) - 1}")
@@ -92,14 +61,11 @@ def residuals(model: Any, inputs: Sequence[Sequence[int]], layer: int, pad_id: i
 
     handle = blocks[layer].register_forward_hook(grab)
     try:
-        for start in range(0, len(inputs), EMBED_BATCH):
-            chunk = inputs[start : start + EMBED_BATCH]
-            ids, mask = right_padded(chunk, pad_id)
+        for seq in inputs:
             captured.clear()
             with contextlib.suppress(_Stop), torch.inference_mode():
-                model.model(input_ids=ids.to(device), attention_mask=mask.to(device))
-            hidden = captured[0].cpu().numpy()
-            out.extend(hidden[row, : len(seq)].copy() for row, seq in enumerate(chunk))
+                model.model(input_ids=_ids(seq, device))
+            out.append(captured[0][0].cpu().numpy().copy())
     finally:
         handle.remove()
     return out

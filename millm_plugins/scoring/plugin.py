@@ -3,7 +3,6 @@ prompt, nothing generated, the next token's log-probabilities returned."""
 
 from __future__ import annotations
 
-import functools
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -242,16 +241,8 @@ async def _score(ctx: RequestContext, request: Any, model: ServedModel, prompts:
             param="scoring_precision",
         )
     reads = [work for _, work in prepared]
-    if chat:
-        # Each conversation alone (a padded batch moves logprobs in their last digits): a
-        # conversation's scores never depend on the others sent with it.
-
-        def alone(one: list[int]) -> Any:
-            return engine.next_token_logits([one], float32=float32, float32_device=device, headroom_mb=headroom)[0]
-
-        logits: Any = [await ctx.app.run_model(functools.partial(alone, one)) for one in prompts]
-    else:
-        logits = await ctx.app.run_model(lambda: engine.next_token_logits(prompts, float32=float32, float32_device=device, headroom_mb=headroom))
+    # A prompt's scores are its own whatever it is sent with: the Scorer contract.
+    logits = await ctx.app.run_model(lambda: engine.next_token_logits(prompts, float32=float32, float32_device=device, headroom_mb=headroom))
     for work in reads:
         await ctx.app.run_model(work)
     temperature = float(request.temperature) if _sent(request.temperature) else 0.0

@@ -35,6 +35,15 @@ def test_vectors_match_transformers(client, tiny_engine, pooling: str) -> None: 
     assert resp.usage.prompt_tokens == sum(len(tiny_engine.tokenizer(t)["input_ids"]) for t in TEXTS)
 
 
+@pytest.mark.parametrize("pooling", ["mean", "last", "cls"])
+def test_an_input_gets_the_same_vector_whatever_it_is_sent_with(client, pooling: str) -> None:  # type: ignore[no-untyped-def]
+    """Exactly: inputs padded to a common length moved each other's vectors."""
+    longer = "A much longer sentence about the sea, the wind and the ships that sail on it all year."
+    alone = [client.embeddings.create(model="tiny", input=text, extra_body={"pooling": pooling}).data[0].embedding for text in TEXTS]
+    mixed = client.embeddings.create(model="tiny", input=[longer, *TEXTS, longer], extra_body={"pooling": pooling}).data[1:-1]
+    assert [item.embedding for item in mixed] == alone
+
+
 def test_base64_and_normalize(server, tiny_engine) -> None:  # type: ignore[no-untyped-def]
     raw = httpx.post(server.base_url + "/v1/embeddings", json={"model": "tiny", "input": TEXTS[0], "encoding_format": "base64", "normalize": True}).json()
     packed = base64.b64decode(raw["data"][0]["embedding"])

@@ -52,6 +52,15 @@ def test_completion_scoring_matches_reference(server, tiny_engine) -> None:  # t
     assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == len(tiny_engine.tokenizer(PROMPT)["input_ids"])
 
 
+def test_a_prompt_scores_the_same_whatever_it_is_sent_with(server) -> None:  # type: ignore[no-untyped-def]
+    """Exactly: prompts padded to a common length moved each other's log-probabilities."""
+    prompts = [PROMPT, "x", "Once upon a time, in a land far away, there lived a"]
+    body = {"max_tokens": 1, "logprobs": 5, "temperature": 1.0}
+    alone = [post(server, "/v1/completions", {**body, "prompt": p}).json()["choices"][0]["logprobs"] for p in prompts]
+    together = post(server, "/v1/completions", {**body, "prompt": [*prompts, *reversed(prompts)]}).json()["choices"]
+    assert [c["logprobs"] for c in together] == [*alone, *reversed(alone)]
+
+
 def test_allowed_ids_normalise_over_the_set_and_return_every_id(server, tiny_engine) -> None:  # type: ignore[no-untyped-def]
     allowed = [17, 300, 512, 901]
     body = {"prompt": [PROMPT, "import os"], "max_tokens": 1, "logprobs": 2, "allowed_token_ids": allowed, "return_tokens_as_token_ids": True, "temperature": 0.7}
