@@ -29,12 +29,12 @@ from millm_core.api import (
     hookimpl,
 )
 from millm_plugins.scoring.contrib import readers
-from millm_plugins.steering.public import STATE
+from millm_plugins.steering.public import STATE, SAENotAttached
 
 from .collect import Collector
 from .fields import FIELD, MAX_ENTRIES, MAX_TOP_K, ReturnSAEActivations
 from .scoring import SCORED, ScoringActivations
-from .select import Selected, check_model, check_size, select, shape_problems
+from .select import PARAM, Selected, check_model, check_size, select, shape_problems
 
 KEY = "millm"  # the response's top-level object
 CLOSING_ORDER = 20  # after probe verdicts (10), before the steering report (90)
@@ -43,7 +43,7 @@ COLLECTORS = StashKey[list[Collector]]("activations.collectors")
 
 def _select(app: AppContext, asked: ReturnSAEActivations) -> Selected:
     if STATE not in app.stash:  # the steering plugin (which attaches SAEs) is not enabled
-        return select(asked, (), {}, ())
+        raise SAENotAttached("return_sae_activations needs an attached SAE, and this server does not run the steering plugin, which attaches them", param=PARAM)
     live = app.stash[STATE].live
     return select(asked, live.attachments, live.saes, live.unusable)
 

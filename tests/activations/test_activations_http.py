@@ -429,3 +429,17 @@ def test_a_scoring_request_reads_its_prompt_unsteered(act_server: Any, tiny_engi
     assert [e["position"] for e in read["positions"]] == list(range(len(prompt)))
     assert_matches(read["positions"], want)
     assert [e["position"] for e in last.json()["millm"]["sae_activations"]["positions"]] == [len(prompt) - 1]
+
+
+def test_without_the_steering_plugin_the_refusal_says_why(make_server: Any) -> None:
+    """No plugin attaches SAEs here: the refusal says so instead of pointing at a route that
+    is not served."""
+    from millm_core.config import load_settings
+    from millm_core.server.app import build_host
+
+    host = build_host(load_settings({"block_plugins": ("steering", "circuits", "probes")}, environ={}))
+    assert host.has("activations") and not host.has("steering")
+    with make_server(host=host) as srv:
+        error = chat(srv, {"top_k": 2}).json()["error"]
+        assert error["code"] == "sae_not_attached" and "does not run the steering plugin" in error["message"], error
+        assert httpx.post(srv.base_url + "/api/saes", json={"path": "x"}).status_code == 404
