@@ -285,6 +285,8 @@ async def _score(ctx: RequestContext, request: Any, model: ServedModel, prompts:
                 alternatives: dict[str, float] = {}
                 for t, lp in scored.candidates:
                     alternatives.setdefault(_key(engine, t, by_id), lp)  # colliding texts: one entry, the likelier
+                # As OpenAI's legacy completions: the chosen token is always listed (logprobs: 0 too).
+                alternatives.setdefault(_key(engine, token, by_id), logprob)
                 legacy = CompletionLogprobs(tokens=[_key(engine, token, by_id)], token_logprobs=[logprob], top_logprobs=[alternatives], text_offset=[len(text_in)])
             choices.append(CompletionScoringChoice(index=index, text=text, logprobs=legacy))
             outcome_choices.append(ChoiceResult(index=index, text=text, finish_reason="length", completion_tokens=0))

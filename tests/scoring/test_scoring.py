@@ -52,6 +52,15 @@ def test_completion_scoring_matches_reference(server, tiny_engine) -> None:  # t
     assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == len(tiny_engine.tokenizer(PROMPT)["input_ids"])
 
 
+def test_logprobs_zero_lists_the_chosen_token(server) -> None:  # type: ignore[no-untyped-def]
+    """As OpenAI's legacy completions (up to logprobs + 1 entries): the chosen token is
+    always in top_logprobs, so logprobs: 0 lists it alone."""
+    zero = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "logprobs": 0}).json()["choices"][0]["logprobs"]
+    assert zero["top_logprobs"] == [{zero["tokens"][0]: zero["token_logprobs"][0]}]
+    two = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "logprobs": 2}).json()["choices"][0]["logprobs"]
+    assert len(two["top_logprobs"][0]) == 2 and two["top_logprobs"][0][zero["tokens"][0]] == zero["token_logprobs"][0]
+
+
 def test_a_prompt_scores_the_same_whatever_it_is_sent_with(server) -> None:  # type: ignore[no-untyped-def]
     """Exactly: prompts padded to a common length moved each other's log-probabilities."""
     prompts = [PROMPT, "x", "Once upon a time, in a land far away, there lived a"]
