@@ -157,6 +157,11 @@ class CircuitActivation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     allow_overlap: bool = False
 
 
+class CircuitDeactivation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /api/circuits/{id}/deactivate`` takes no fields: nothing, or ``{}`` (a field,
+    or a body that is not JSON, is a 400 naming it, as for activate)."""
+
+
 class CircuitIntensity(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``PUT /api/circuits/active/intensity``: the persistent dial of the active circuit
     (``id`` may be omitted when exactly one is active)."""
@@ -366,6 +371,7 @@ async def activate_circuit(request: Request) -> Response:
 
 
 async def deactivate_circuit(request: Request) -> Response:
+    await read_json(request, CircuitDeactivation)
     circuit_id = request.path_params["circuit_id"]
 
     def change(book: Book) -> Book | None:
@@ -463,6 +469,6 @@ ROUTES: tuple[Route, ...] = (
         "/api/circuits/{circuit_id}/deactivate",
         deactivate_circuit,
         ["POST"],
-        RouteDoc("Deactivate a circuit", response=ActiveCircuits, errors=("404", "409", "503")),
+        RouteDoc("Deactivate a circuit", response=ActiveCircuits, errors=WRITE),
     ),
 )

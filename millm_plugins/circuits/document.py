@@ -187,6 +187,8 @@ def compile_document(doc: CircuitDocument, widths: Widths, clusters: Mapping[str
                 f"the backing cluster {backing.name!r} steers SAE {backing.sae_id!r} at layer {backing.layer}, which is not one of the circuit's SAEs",
                 param="backing_cluster",
             )
+        if backing.cluster is not None:
+            backing.cluster.check_width(backing.name, backing.sae_id, backing.layer, width_at[backing.layer], param="backing_cluster")
     slices = tuple(
         Slice(layer=layer, sae_id=sae_at[layer], features=tuple(sorted(features.get(layer, {}).items())), d_sae=width_at[layer])
         for layer in sorted(sae_at)
@@ -225,6 +227,8 @@ def _members(
                     f"{member.layer}, whose SAE is {sae_at[member.layer]!r}",
                     param=f"{where}.cluster",
                 )
+            if cluster.cluster is not None:  # imported for another SAE under that id: refused as when it steers
+                cluster.cluster.check_width(cluster.name, cluster.sae_id, cluster.layer, width_at[member.layer], param=f"{where}.cluster")
             pairs = [(f.index, f.strength) for f in cluster.features]
             index_param = f"{where}.cluster"
         else:
@@ -245,9 +249,20 @@ def _members(
 
 
 def _edges(doc: CircuitDocument, members: set[Feature]) -> tuple[Edge, ...]:
+    """The compiled edges: each between two members, up at an earlier layer than down, with
+    a rung on the ladder, and each (up, down) pair once (twice, even with the same rung,
+    would leave the evidence for that edge ambiguous)."""
     edges: list[Edge] = []
+    seen: set[tuple[Feature, Feature]] = set()
     for position, edge in enumerate(doc.edges):
         where = f"edges[{position}]"
+        pair = ((edge.up.layer, edge.up.feature_idx), (edge.down.layer, edge.down.feature_idx))
+        if pair in seen:
+            raise InvalidRequest(
+                f"the edge from feature {pair[0][1]} at layer {pair[0][0]} to feature {pair[1][1]} at layer {pair[1][0]} is listed twice",
+                param=where,
+            )
+        seen.add(pair)
         for end, name in ((edge.up, "up"), (edge.down, "down")):
             if (end.layer, end.feature_idx) not in members:
                 raise InvalidRequest(

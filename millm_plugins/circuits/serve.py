@@ -15,8 +15,9 @@ Per active circuit, from one snapshot of the steering state (``live``) and of th
   no backing cluster, or none attached, it does not steer.
 
 A circuit genuinely steers a request only in ``full`` mode with a non-empty applied set: it
-is then a ``circuit`` member of ``X-miLLM-Steering`` (``composed`` when one of its layers
-carries another circuit) and the response carries ``X-miLLM-Circuit-Rung`` (the lowest rung
+is then a ``circuit`` member of ``X-miLLM-Steering`` (``clamped`` counting its features the
+±200 clamp changed, over all its layers; ``composed`` when one of its layers carries another
+circuit) and the response carries ``X-miLLM-Circuit-Rung`` (the lowest rung
 of the circuits steering it). An active circuit whose stored definition cannot be parsed
 makes the request report ``unknown;reason=claims_unreadable`` and run unsteered, as the
 steering plugin does for its own unreadable state.
@@ -160,7 +161,12 @@ def contribution(servings: list[Serving], live: Live, dial: Intensity | None, mo
     echo = servable[0].intensity if servable and dial is not None else None
     rungs = [s.rung for s in steering if s.rung is not None]
     return Contribution(
-        circuits=tuple(CircuitMember(id=s.id, intensity=float(s.intensity or 0.0), composed=s.composed) for s in steering),
+        circuits=tuple(
+            CircuitMember(
+                id=s.id, intensity=float(s.intensity or 0.0), composed=s.composed, clamped=sum(applied.clamped for _, applied in s.slices)
+            )
+            for s in steering
+        ),
         deltas={layer: np.asarray(vector, dtype=np.float32) for layer, vector in deltas.items()},
         entries=tuple(s.entry for s in servings if s.entry is not None),
         base=bool(servable),

@@ -137,16 +137,26 @@ class SAEList(msgspec.Struct, kw_only=True):
 
 
 class SAEDeleted(msgspec.Struct, kw_only=True):
-    """``DELETE /api/saes/{id}``: the id of the SAE forgotten (it is detached everywhere too)."""
+    """``DELETE /api/saes/{id}``: the id of the SAE forgotten (it is detached everywhere
+    too, with what detaching removes: ``deactivated_profile`` names the active profile
+    deactivated because it was bound to the SAE, ``manual_values_removed`` counts the
+    manual feature values erased)."""
 
     id: str
     deleted: bool
+    deactivated_profile: str | None = None
+    manual_values_removed: int = 0
 
 
 class SAEDetached(SAEInfo, kw_only=True):
-    """The SAE after ``detach``; ``detached`` counts the attachments removed."""
+    """The SAE after ``detach``: ``detached`` counts the attachments removed,
+    ``deactivated_profile`` names the active profile deactivated because it was bound to
+    one of them (null: none), and ``manual_values_removed`` counts the manual feature
+    values erased there."""
 
     detached: int
+    deactivated_profile: str | None = None
+    manual_values_removed: int = 0
 
 
 class FeatureQuery(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -244,6 +254,12 @@ async def body_of(request: Request, type_: type[Any]) -> Any:
     return await read_json(request, type_)
 
 
+class NoBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The body of a write that takes no fields (activate, deactivate): nothing, or ``{}``.
+    A field, or a body that is not JSON, is refused with a 400 naming it, as on every
+    other route."""
+
+
 def _info(state: SteeringState, sae_id: str, path: str, sae: SAE) -> SAEInfo:
     return SAEInfo(
         id=sae_id, path=path, architecture=sae.architecture, d_in=sae.d_in, d_sae=sae.d_sae, attached_layers=state.layers_of(sae_id),
@@ -298,8 +314,13 @@ async def get_sae(request: Request) -> Response:
 
 async def delete_sae(request: Request) -> Response:
     state = steering_state(request)
-    await state.delete(request.path_params["sae_id"])
-    return json_response(SAEDeleted(id=request.path_params["sae_id"], deleted=True))
+    done = await state.delete(request.path_params["sae_id"])
+    return json_response(
+        SAEDeleted(
+            id=request.path_params["sae_id"], deleted=True, deactivated_profile=done.deactivated_profile,
+            manual_values_removed=done.manual_values_removed,
+        )  # fmt: skip
+    )
 
 
 def attachment_layer(sae: SAE, asked: int | None) -> int:
@@ -349,9 +370,27 @@ async def detach_sae(request: Request) -> Response:
     state = steering_state(request)
     sae_id = request.path_params["sae_id"]
     await asyncio.to_thread(state.path_of, sae_id)  # 404 for an unknown SAE; an unreadable one detaches
-    removed = await state.detach(sae_id, body.layer)
+    done = await state.detach(sae_id, body.layer)
     info = await _described(state, sae_id)
-    return json_response(SAEDetached(**msgspec.structs.asdict(info), detached=removed))
+    return json_response(
+        SAEDetached(
+            **msgspec.structs.asdict(info), detached=done.attachments, deactivated_profile=done.deactivated_profile,
+            manual_values_removed=done.manual_values_removed,
+        )  # fmt: skip
+    )
+
+
+async def usable_attachment(state: SteeringState, sae_id: str, layer: int | None) -> tuple[SAE, tuple[str, int]]:
+    """The SAE and the attachment ``(sae_id, layer)`` a write or read of its features names,
+    refused in this order: an unregistered SAE (404), one not attached there (400
+    ``sae_not_attached``), an attachment that cannot be applied (409
+    ``attachment_unusable``). The SAE's files are read only after that, so an SAE whose
+    files are gone is the 409 its attachment is listed with, never a file error."""
+    live = await state.refresh()
+    await asyncio.to_thread(state.path_of, sae_id)
+    entry = entry_of(live, sae_id, layer)
+    require_usable(live, entry)
+    return await state.sae(sae_id), entry
 
 
 def _top_features(sae: SAE, residual: Any, top_k: int) -> tuple[Any, list[int]]:
@@ -370,11 +409,7 @@ async def features(request: Request) -> Response:
 async def _features(request: Request, body: FeatureQuery) -> Response:
     state, app = steering_state(request), app_context(request)
     sae_id = request.path_params["sae_id"]
-    live = await state.refresh()
-    sae = await state.sae(sae_id)
-    entry = entry_of(live, sae_id, body.layer)
-    require_usable(live, entry)
-    layer = entry[1]
+    sae, (_, layer) = await usable_attachment(state, sae_id, body.layer)
     if sae.encode_refusal is not None:  # as return_sae_activations and the probes: no unfaithful reading
         raise InvalidRequest(f"SAE {sae_id!r} cannot be read faithfully: {sae.encode_refusal}", code="sae_encoding_unsupported")
     if not 1 <= body.top_k <= 100:
@@ -452,7 +487,7 @@ async def put_steering(request: Request) -> Response:
         if len(saes) != 1:
             raise InvalidRequest(f"name the SAE with sae_id: {len(saes)} SAEs are attached {saes}", param="sae_id")
         sae_id = saes[0]
-    sae = await state.sae(sae_id)
+    sae, _ = await usable_attachment(state, sae_id, body.layer)
 
     def change(live: Live) -> Live:
         entry = entry_of(live, sae_id, body.layer)

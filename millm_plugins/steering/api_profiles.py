@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from millm_core.api import InvalidRequest, MillmError, NotFound, RouteDoc, app_context, convert, parse_bool
 
-from .api import WRITE, LiveState, Route, body_of, dials_of, json_response, live_response, steering_state
+from .api import WRITE, LiveState, NoBody, Route, body_of, dials_of, json_response, live_response, steering_state
 from .apply import Dials, profile_entry
 from .inline import Feature, SAENotAttached
 from .intensity import bounds
@@ -42,6 +42,7 @@ from .profiles import (
     with_intensity,
 )
 from .registry import SteeringState
+from .sae import SAE
 
 
 class ProfileInfo(msgspec.Struct, kw_only=True):
@@ -106,8 +107,9 @@ def _info(live: Live, profile: Profile) -> ProfileInfo:
     )
 
 
-def _validate(state: SteeringState, profile: Profile) -> None:
-    """Check a profile against its SAE (blocking: may read the SAE's files)."""
+def _validate(state: SteeringState, profile: Profile) -> SAE:
+    """Check a profile against its SAE, and return that SAE (blocking: may read the SAE's
+    files)."""
     check_name(profile.name)
     check_layer(profile.layer)
     try:
@@ -116,6 +118,7 @@ def _validate(state: SteeringState, profile: Profile) -> None:
         exc.param = "sae_id"
         raise
     check_features(profile.features, sae.d_sae)
+    return sae
 
 
 def _replace(request: Request) -> bool:
@@ -136,6 +139,7 @@ async def _current(request: Request) -> Live:
 
 async def _activate(request: Request, find: Callable[[Mapping[str, Profile]], Profile]) -> Response:
     """Activate the profile ``find`` picks from the state the write sees."""
+    await body_of(request, NoBody)
     state = steering_state(request)
     dials = dials_of(app_context(request))
 
@@ -151,6 +155,8 @@ async def _activate(request: Request, find: Callable[[Mapping[str, Profile]], Pr
 
 
 async def _deactivate(request: Request, only: str | None = None) -> Response:
+    await body_of(request, NoBody)
+
     def change(live: Live) -> Live | None:
         return replace(live, active=None) if live.active is not None and (only is None or live.active[0] == only) else None
 
@@ -249,9 +255,10 @@ def _check_import(state: SteeringState, document: ProfileExport) -> None:
     imports as it was."""
     for position, profile in enumerate(document.profiles):
         try:
-            _validate(state, profile)
+            sae = _validate(state, profile)
             if profile.cluster is not None:
                 check_dial(profile.cluster, param="cluster")
+                profile.cluster.check_width(profile.name, profile.sae_id, profile.layer, sae.d_sae, param="cluster.n_features")
                 if profile.cluster.intensity_range is not None:
                     _check_dial_bounds(profile.cluster, Dials(floor=0.0, ceiling=2.0), "cluster")
         except MillmError as exc:
@@ -324,21 +331,24 @@ async def get_cluster(request: Request) -> Response:
 
 async def set_intensity(request: Request) -> Response:
     """Set the persistent dial: a number in [0, max], max being the declared range's top
-    (or the configured ceiling) within [0, 2]. Moves the epoch when the cluster is
-    active."""
+    (or the configured ceiling) within [0, 2]. Moves the epoch when the cluster is active
+    and the value is not the one it has (re-sending it writes nothing)."""
     body = await body_of(request, Intensity)
     state, name = steering_state(request), request.path_params["name"]
     dials = dials_of(app_context(request))
     cluster_named((await state.refresh()).profiles, name)  # 404 before the body's checks
     updated: Profile | None = None
 
-    def change(live: Live) -> Live:
+    def change(live: Live) -> Live | None:
         nonlocal updated
         cluster = cluster_named(live.profiles, name)
         assert cluster.cluster is not None
         _, high = bounds(cluster.cluster.intensity_range, dials.floor, dials.ceiling)
         if isinstance(body.intensity, bool) or not 0.0 <= body.intensity <= high:
             raise InvalidRequest(f"intensity must be a number in [0, {high}] for cluster {name!r}", param="intensity")
+        if float(body.intensity) == cluster.cluster.intensity:
+            updated = cluster
+            return None  # the dial it already has: nothing is written, the epoch stays
         updated = with_intensity(cluster, float(body.intensity))
         return replace(live, profiles={**live.profiles, name: updated})
 
@@ -373,7 +383,7 @@ ROUTES: tuple[Route, ...] = (
         "/api/profiles/deactivate",
         deactivate_profile,
         ["POST"],
-        RouteDoc("Deactivate the active profile", response=LiveState, errors=("503",)),
+        RouteDoc("Deactivate the active profile", response=LiveState, errors=("400", "503")),
     ),
     ("/api/profiles/export", export_all, ["GET"], RouteDoc("Export every profile", response=ProfileExport, errors=())),
     (
@@ -416,6 +426,6 @@ ROUTES: tuple[Route, ...] = (
         "/api/clusters/{name}/deactivate",
         deactivate_cluster,
         ["POST"],
-        RouteDoc("Deactivate the cluster if it is active", response=LiveState, errors=("404", "503")),
+        RouteDoc("Deactivate the cluster if it is active", response=LiveState, errors=("400", "404", "503")),
     ),
 )

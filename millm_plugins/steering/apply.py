@@ -96,7 +96,9 @@ def _sent(value: Any) -> bool:
 def profile_entry(profile: Profile, source: str, dial: Intensity | None, live: Live, dials: Dials) -> Entry:
     """A profile applied at its (SAE, layer) in ``live``, scaled by λ: the request's dial
     if given, else the profile's own (a cluster's stored dial; 1 for a plain profile).
-    Raises :class:`AttachmentUnusable` when that attachment cannot be applied."""
+    Raises :class:`AttachmentUnusable` when that attachment cannot be applied, and
+    :class:`~.profiles.WidthMismatch` for a cluster whose SAE there is not as wide as the
+    one it was imported for."""
     if (profile.sae_id, profile.layer) not in live.attachments:
         raise SAENotAttached(
             f"profile {profile.name!r} steers SAE {profile.sae_id!r} at layer {profile.layer}, which is not attached", param="profile"
@@ -105,7 +107,10 @@ def profile_entry(profile: Profile, source: str, dial: Intensity | None, live: L
         raise AttachmentUnusable(
             f"profile {profile.name!r} steers SAE {profile.sae_id!r} at layer {profile.layer}, which is unusable", param="profile"
         )
-    check_features(profile.features, live.saes[profile.sae_id].d_sae, prefix="profile.features")
+    width = live.saes[profile.sae_id].d_sae
+    if profile.cluster is not None:
+        profile.cluster.check_width(profile.name, profile.sae_id, profile.layer, width)
+    check_features(profile.features, width, prefix="profile.features")
     declared = profile.cluster.intensity_range if profile.cluster else None
     lam = profile.intensity if dial is None else resolve_intensity(dial, declared, dials.floor, dials.ceiling)
     applied = AppliedSet.build(profile.sae_id, [(f.index, f.strength * lam) for f in profile.features])
@@ -148,7 +153,9 @@ def plan_for(request: Any, live: Live, dials: Dials, contributors: Sequence[Cont
             entry = profile_entry(profile, "request", dial, live, dials)
         except AttachmentUnusable:
             return Plan(epoch=epoch, unknown=CLAIMS_UNREADABLE)
-        return Plan(entries=_nonempty([entry]), epoch=epoch, echo=entry.intensity if dial is not None and entry.applied.features else None)
+        # The dial echoes whenever the base is not empty, a λ that applies nothing too
+        # (a cluster capped at 0 by its range), as for "off" above.
+        return Plan(entries=_nonempty([entry]), epoch=epoch, echo=entry.intensity if dial is not None and profile.features else None)
     contributed = [c for c in (contributor.contribute(live, dial) for contributor in contributors) if c is not None]
     watches = tuple(c.moved for c in contributed)
     unknown = next((c.unknown for c in contributed if c.unknown), None)
@@ -232,9 +239,13 @@ def _member(entry: Entry) -> str:
         assert entry.name is not None and entry.intensity is not None
         head += f';name="{percent_encode(entry.name)}";source={entry.source};intensity="{entry.intensity!r}"'
     value = f'{head};sae="{entry.sae_id}";layer={entry.layer};features={len(applied.features)};hash="{applied.hash}"'
-    if applied.clamped:  # manual values too: a dialled manual set can reach the clamp
-        value += f";clamped={applied.clamped}"
-    return value
+    return value + clamped_param(applied.clamped)  # manual values too: a dialled manual set can reach the clamp
+
+
+def clamped_param(clamped: int) -> str:
+    """``;clamped=N`` for a member whose applied strengths the ±200 clamp changed ``N``
+    times (nothing when none did): every kind of member reports its clamps this way."""
+    return f";clamped={clamped}" if clamped else ""
 
 
 def sf_string(value: str) -> str:
@@ -245,8 +256,9 @@ def sf_string(value: str) -> str:
 
 
 def circuit_member(member: CircuitMember) -> str:
-    """``circuit;id="…";intensity="…"[;composed]`` (without ``changed``)."""
-    return f'circuit;id={sf_string(member.id)};intensity="{float(member.intensity)!r}"' + (";composed" if member.composed else "")
+    """``circuit;id="…";intensity="…"[;clamped=N][;composed]`` (without ``changed``)."""
+    value = f'circuit;id={sf_string(member.id)};intensity="{float(member.intensity)!r}"' + clamped_param(member.clamped)
+    return value + (";composed" if member.composed else "")
 
 
 def report(plan: Plan, changed: bool) -> str:

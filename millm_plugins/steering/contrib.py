@@ -55,13 +55,16 @@ def _unmoved() -> bool:
 
 @dataclass(frozen=True)
 class CircuitMember:
-    """One ``circuit;id=…;intensity=…;composed?`` member of ``X-miLLM-Steering``: the
-    circuit's id (a String), the λ it ran with, and whether one of its layers carried
-    another circuit too. The steering plugin serialises it (see ``apply.report``)."""
+    """One ``circuit;id=…;intensity=…;clamped=…?;composed?`` member of
+    ``X-miLLM-Steering``: the circuit's id (a String), the λ it ran with, how many of its
+    applied features the ±200 clamp changed (over all its layers; reported when above 0,
+    as for every other member), and whether one of its layers carried another circuit
+    too. The steering plugin serialises it (see ``apply.report``)."""
 
     id: str
     intensity: float
     composed: bool = False
+    clamped: int = 0
 
 
 @dataclass(frozen=True)

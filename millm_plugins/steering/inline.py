@@ -106,10 +106,20 @@ def target(steering: InlineSteering, attachments: Iterable[tuple[str, int]]) -> 
         raise SAENotAttached(f"SAE {steering.sae_id!r} is not attached", param="steering.sae_id")
     left = [(s, layer) for s, layer in attached if steering.sae_id in (None, s) and steering.layer in (None, layer)]
     if not left:
-        named = f"SAE {steering.sae_id!r}" if steering.sae_id is not None else "no SAE"
-        raise SAENotAttached(f"{named} is attached at layer {steering.layer}", param="steering.layer")
+        raise SAENotAttached(_not_at_layer(steering.sae_id, steering.layer, attached), param="steering.layer")
     if len(left) > 1:
         listed = ", ".join(f"({s}, layer {layer})" for s, layer in left)
         unnamed = [f"steering.{name}" for name in ("sae_id", "layer") if getattr(steering, name) is None]  # both sent: one fits
         raise InvalidRequest(f"several attachments fit: {listed}; name one with {' and '.join(unnamed)}", param=unnamed[0])
     return left[0]
+
+
+def _not_at_layer(sae_id: str | None, layer: int | None, attached: list[tuple[str, int]]) -> str:
+    """Why nothing attached fits ``layer`` (with ``sae_id``, when named), and where the
+    attachments are, so the client can pick one."""
+    if sae_id is not None:
+        layers = sorted(at for s, at in attached if s == sae_id)
+        where = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers}"
+        return f"SAE {sae_id!r} is not attached at layer {layer}; it is attached at {where}"
+    listed = ", ".join(f"({s}, layer {at})" for s, at in sorted(attached, key=lambda a: (a[1], a[0])))
+    return f"no SAE is attached at layer {layer}; the attachments are {listed}"

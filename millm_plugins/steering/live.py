@@ -101,7 +101,7 @@ class Live:
             (self.attachments, self.active) == (other.attachments, other.active)
             and dict(self.manual) == dict(other.manual)
             and dict(self.unusable) == dict(other.unusable)
-            and self.active_profile() is other.active_profile()
+            and self.active_profile() == other.active_profile()  # by value: a write that rewrites it as it was changes nothing
         )
 
 

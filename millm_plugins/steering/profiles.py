@@ -39,11 +39,34 @@ class ProfileNotFound(NotFound):
     code = "profile_not_found"
 
 
+class WidthMismatch(InvalidRequest):
+    """400: a cluster was imported for an SAE of one width, and the SAE attached where it
+    steers now has another (an SAE registered anew under that id): it is another SAE, so
+    the cluster is not applied to it. The circuits' ``width_mismatch``, for a cluster; a
+    400 like the other refusals of what cannot steer there (``sae_not_attached``, an SAE
+    of the wrong width at attach)."""
+
+    code = "width_mismatch"
+
+
 class Dial(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A cluster's intensity dial: the persisted λ and the author's declared range."""
+    """A cluster's intensity dial (the persisted λ and the author's declared range) and
+    ``n_features``, the width of the SAE it was imported for: it applies to an SAE of that
+    width only (None in clusters stored before the width was kept: not checked)."""
 
     intensity: float = 1.0
     intensity_range: tuple[float, float] | None = None
+    n_features: int | None = None
+
+    def check_width(self, name: str, sae_id: str, layer: int, width: int, param: str = "profile") -> None:
+        """Refuse (400 ``width_mismatch``) an SAE whose width is not the one the cluster
+        ``name`` was imported for."""
+        if self.n_features is not None and width != self.n_features:
+            raise WidthMismatch(
+                f"cluster {name!r} was imported for an SAE of width {self.n_features}; SAE {sae_id!r} at layer {layer} has width "
+                f"{width} (another SAE registered under that id): import the cluster again for it",
+                param=param,
+            )
 
 
 class Profile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -139,6 +162,9 @@ def check_features(features: list[Feature], d_sae: int, prefix: str = "features"
 
 
 def check_dial(dial: Dial, param: str = "budget") -> None:
+    """A dial's values: finite, a declared range [low, high] with 0 ≤ low ≤ high that
+    overlaps the dial's [0, 2] envelope (one beyond it would leave no λ to dial: its
+    "min" would exceed its "max"), an intensity in the envelope, a width of at least 1."""
     _finite(dial.intensity, f"{param}.intensity")
     low, high = DIAL_ENVELOPE
     if dial.intensity_range is not None:
@@ -149,6 +175,13 @@ def check_dial(dial: Dial, param: str = "budget") -> None:
             raise InvalidRequest(
                 f"intensity_range must be [low, high] with 0 ≤ low ≤ high; got [{lo}, {hi}]", param=f"{param}.intensity_range"
             )
+        if lo > high:
+            raise InvalidRequest(
+                f"intensity_range [{lo}, {hi}] does not overlap the dial's bounds [{low}, {high}]: no λ could be dialled",
+                param=f"{param}.intensity_range",
+            )
+    if dial.n_features is not None and dial.n_features < 1:
+        raise InvalidRequest("n_features must be at least 1", param=f"{param}.n_features")
     if not low <= dial.intensity <= high:
         raise InvalidRequest(f"intensity must be in [{low}, {high}]", param=f"{param}.intensity")
 
@@ -165,7 +198,11 @@ def cluster_profile(doc: ClusterDocument, sae_id: str) -> Profile:
     ``sign`` with a negative strength flips it, as written)."""
     features = [Feature(index=m.feature_idx, strength=m.strength * _sign(m, i)) for i, m in enumerate(doc.members)]
     check_features(features, doc.sae.n_features, prefix="members", index_key="feature_idx")
-    dial = Dial(intensity=1.0 if doc.budget.intensity is None else doc.budget.intensity, intensity_range=doc.budget.intensity_range)
+    dial = Dial(
+        intensity=1.0 if doc.budget.intensity is None else doc.budget.intensity,
+        intensity_range=doc.budget.intensity_range,
+        n_features=doc.sae.n_features,
+    )
     check_dial(dial)
     return Profile(name=doc.name, sae_id=sae_id, layer=doc.sae.layer, features=features, cluster=dial)
 

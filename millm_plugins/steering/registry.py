@@ -68,6 +68,24 @@ class AttachmentUnusable(MillmError):
     code = "attachment_unusable"
 
 
+@dataclass(frozen=True)
+class Detached:
+    """What detaching an SAE took with it: the attachments removed, the active profile
+    deactivated because it was bound to one of them (its name, else None), and the manual
+    values erased there (feature values, over all those attachments)."""
+
+    attachments: int = 0
+    deactivated_profile: str | None = None
+    manual_values_removed: int = 0
+
+    @classmethod
+    def of(cls, live: Live, gone: list[Entry]) -> Detached:
+        """What detaching ``gone`` from ``live`` removes (see :meth:`Live.without`)."""
+        deactivated = live.active[0] if live.active is not None and live.active[1] in gone else None
+        values = sum(len(v) for e, v in live.manual.items() if e in gone)
+        return cls(attachments=len(gone), deactivated_profile=deactivated, manual_values_removed=values)
+
+
 def derive_id(path: str) -> str:
     """A readable id from a path: the last two path parts joined by ``--``."""
     parts = [p for p in os.path.normpath(os.path.abspath(path)).split(os.sep) if p][-2:]
@@ -273,7 +291,9 @@ class SteeringState:
             return new
 
     async def register(self, path: str, sae_id: str | None) -> tuple[str, SAE]:
-        sae_id = sae_id or derive_id(path)
+        """Register the SAE at ``path`` under ``sae_id`` (None: derived from the path; a
+        sent id, an empty one too, is checked as sent)."""
+        sae_id = derive_id(path) if sae_id is None else sae_id
         if not _ID.match(sae_id):
             raise InvalidRequest("id must be 1–128 characters of A-Z a-z 0-9 . _ -", param="id")
         sae = await asyncio.to_thread(load_sae, path)  # validates the files before anything is recorded
@@ -287,16 +307,21 @@ class SteeringState:
         self.loaded[sae_id] = sae
         return sae_id, sae
 
-    async def delete(self, sae_id: str) -> None:
-        """Forget the SAE, detaching it everywhere (one transaction)."""
+    async def delete(self, sae_id: str) -> Detached:
+        """Forget the SAE, detaching it everywhere (one transaction, with what
+        :meth:`detach` removes). Returns what the detaching removed."""
         await asyncio.to_thread(self.path_of, sae_id)
+        detached = Detached()
 
         def change(live: Live) -> Live | None:
+            nonlocal detached
             gone = [a for a in live.attachments if a[0] == sae_id]
+            detached = Detached.of(live, gone)
             return live.without(gone) if gone else None
 
         await self.commit(change, also=lambda conn: conn.execute("DELETE FROM saes WHERE id = ?", (sae_id,)))
         self.loaded.pop(sae_id, None)
+        return detached
 
     async def attach(self, sae_id: str, layer: int, model: ModelInfo) -> None:
         """Attach at ``layer`` of the resident model. Attaching an unusable attachment
@@ -315,20 +340,20 @@ class SteeringState:
 
         await self.commit(change)
 
-    async def detach(self, sae_id: str, layer: int | None) -> int:
+    async def detach(self, sae_id: str, layer: int | None) -> Detached:
         """Detach ``sae_id`` at ``layer`` (all layers for None). Manual values there go
-        with it, and the active profile is deactivated if it was bound there. Returns how
-        many attachments were removed."""
-        removed = 0
+        with it, and the active profile is deactivated if it was bound there. Returns what
+        was removed (the route reports it: nothing goes silently)."""
+        detached = Detached()
 
         def change(live: Live) -> Live | None:
-            nonlocal removed
+            nonlocal detached
             gone = [a for a in live.attachments if a[0] == sae_id and (layer is None or a[1] == layer)]
-            removed = len(gone)
+            detached = Detached.of(live, gone)
             return live.without(gone) if gone else None
 
         await self.commit(change)
-        return removed
+        return detached
 
     # ------------------------------------------------------------------ start-up
 

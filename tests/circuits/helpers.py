@@ -55,22 +55,21 @@ def document(
     **extra: Any,
 ) -> dict[str, Any]:
     """A circuit-definition document: ``slices`` is layer → (sae_id, [(feature, strength)]);
-    each rung makes one edge from the first member of the first layer to the first member of
-    the last (a one-layer circuit has no edges: rung 0)."""
+    each rung makes one edge from a member of the first layer to a member of the last: the
+    first rung from the first member to the first, the next ones through the other pairs in
+    order (an edge is listed once), and a one-layer circuit has no edges: rung 0."""
     layers = sorted(slices)
     budget: dict[str, Any] = {"intensity": intensity}
     if intensity_range is not None:
         budget["intensity_range"] = intensity_range
     edges = []
-    for rung in (rungs if rungs is not None else [2]) if len(layers) > 1 else []:
+    if len(layers) > 1:
         up, down = layers[0], layers[-1]
-        edges.append(
-            {
-                "up": {"layer": up, "feature_idx": slices[up][1][0][0]},
-                "down": {"layer": down, "feature_idx": slices[down][1][0][0]},
-                "rung": rung,
-            }
-        )
+        pairs = [(u, d) for u, _ in slices[up][1] for d, _ in slices[down][1]]
+        wanted = rungs if rungs is not None else [2]
+        assert len(wanted) <= len(pairs), "more edges than member pairs: an edge is listed once"
+        for (u, d), rung in zip(pairs, wanted, strict=False):
+            edges.append({"up": {"layer": up, "feature_idx": u}, "down": {"layer": down, "feature_idx": d}, "rung": rung})
     return {
         "name": name,
         "saes": [{"sae_id": slices[layer][0], "layer": layer} for layer in layers],

@@ -97,6 +97,15 @@ def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
         (_set("budget.intensity", 0.2), 400, "invalid_parameter", "budget.intensity"),  # outside the declared range
         (_set("budget.intensity", 2.5), 400, "invalid_parameter", "budget.intensity"),
         (_set("budget.intensity_range", [1.5, 0.5]), 400, "invalid_parameter", "budget.intensity_range"),
+        # A range wholly beyond the dial's [0, 2] envelope leaves no λ to dial (0 would pass the intensity check).
+        (_set("budget", {"intensity": 0.0, "intensity_range": [2.5, 3.0]}), 400, "invalid_parameter", "budget.intensity_range"),
+        # The same edge twice (even at another rung) would leave its evidence ambiguous.
+        (
+            _set("edges", [{"up": {"layer": 0, "feature_idx": 3}, "down": {"layer": 1, "feature_idx": 7}, "rung": r} for r in (2, 3)]),
+            400,
+            "invalid_parameter",
+            "edges[1]",
+        ),
         (_set("backing_cluster", "nope"), 404, "cluster_not_found", "backing_cluster"),
     ],
 )
@@ -248,3 +257,16 @@ def test_without_the_steering_plugin_a_write_that_cannot_answer_changes_nothing(
             assert (resp.status_code, resp.json()["error"]["code"]) == (409, "steering_disabled"), (path, resp.text)
         [kept] = httpx.get(second.base_url + "/api/circuits").json()["data"]
         assert (kept["active"], kept["intensity"]) == (True, 1.0)
+
+
+def test_deactivate_takes_no_fields_as_activate_refuses_unknown_ones(srv) -> None:  # type: ignore[no-untyped-def]
+    circuit = imported(srv.base_url, base(), activate=True)
+    url = srv.base_url + f"/api/circuits/{circuit['id']}/deactivate"
+    for resp in (httpx.post(url, json={"force": True}), httpx.post(url, content="not json", headers=JSON)):
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["type"] == "invalid_request_error" and set(resp.json()["error"]) == {"message", "type", "param", "code"}
+        assert [a["id"] for a in httpx.get(srv.base_url + "/api/circuits/active").json()["active"]] == [circuit["id"]]  # nothing written
+    unknown = httpx.post(url, json={"force": True})
+    assert unknown.json()["error"]["param"] == "force"
+    assert httpx.post(url, headers=JSON).status_code == 200  # no body, as before
+    assert httpx.get(srv.base_url + "/api/circuits/active").json()["active"] == []

@@ -113,12 +113,13 @@ def test_the_persistent_dial_is_absolute_and_each_member_is_clamped(srv, tiny_en
     # 150 × 1.5 reaches the ±200 ceiling while 2 × 1.5 keeps scaling.
     resp = chat(srv.base_url)
     assert content(resp) == reference(tiny_engine, {0: (sae_paths["alpha"], scaled(strong, 1.5)), 1: (sae_paths["beta"], scaled(B1, 1.5))})
-    assert members(resp.headers["x-millm-steering"]) == [("circuit", {"id": circuit["id"], "intensity": "1.5"})]
+    # The clamp is counted and reported, as for every other kind of steering.
+    assert members(resp.headers["x-millm-steering"]) == [("circuit", {"id": circuit["id"], "intensity": "1.5", "clamped": 1})]
     # Turning the dial down re-derives from the authored strengths: 150 × 0.5, not 200 × 0.5 / 1.5.
     httpx.put(srv.base_url + "/api/circuits/active/intensity", json={"intensity": 0.5})
-    assert content(chat(srv.base_url)) == reference(
-        tiny_engine, {0: (sae_paths["alpha"], scaled(strong, 0.5)), 1: (sae_paths["beta"], scaled(B1, 0.5))}
-    )
+    low = chat(srv.base_url)
+    assert content(low) == reference(tiny_engine, {0: (sae_paths["alpha"], scaled(strong, 0.5)), 1: (sae_paths["beta"], scaled(B1, 0.5))})
+    assert members(low.headers["x-millm-steering"]) == [("circuit", {"id": circuit["id"], "intensity": "0.5"})]  # nothing clamped
     # A request's dial replaces the persistent one, never multiplies it.
     assert content(chat(srv.base_url, steering_intensity=2.0)) == reference(
         tiny_engine, {0: (sae_paths["alpha"], scaled(strong, 2.0)), 1: (sae_paths["beta"], scaled(B1, 2.0))}
@@ -129,6 +130,22 @@ def test_the_persistent_dial_is_absolute_and_each_member_is_clamped(srv, tiny_en
     assert members(off.headers["x-millm-steering"]) == [("none", {})] and "x-millm-circuit-rung" not in off.headers
     view = httpx.get(srv.base_url + "/api/circuits/active").json()
     assert view["active"][0]["steering"]["reason"] == "dialled_off" and view["rung"] is None
+
+
+def test_clamps_on_every_layer_of_a_circuit_are_counted_as_inline_steering_counts_them(srv, tiny_engine, sae_paths: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
+    """Authored strengths beyond ±200 are applied clamped, and the circuit's member says how
+    many were, over all its layers: the count the same features sent inline report."""
+    at0, at1 = [(3, 500.0), (5, 2.0)], [(7, -300.0), (11, 3.0)]
+    circuit = imported(srv.base_url, document("loud", {0: ("alpha", at0), 1: ("beta", at1)}), activate=True)
+    resp = chat(srv.base_url)
+    assert content(resp) == reference(tiny_engine, {0: (sae_paths["alpha"], at0), 1: (sae_paths["beta"], at1)})
+    assert members(resp.headers["x-millm-steering"]) == [("circuit", {"id": circuit["id"], "intensity": "1.0", "clamped": 2})]
+    # The count inline steering reports for one layer's features, computed the same way.
+    httpx.post(srv.base_url + f"/api/circuits/{circuit['id']}/deactivate", json={})
+    inline = chat(srv.base_url, steering={"sae_id": "alpha", "features": [{"index": i, "strength": v} for i, v in at0]})
+    assert members(inline.headers["x-millm-steering"])[0][1]["clamped"] == 1
+    view = httpx.post(srv.base_url + f"/api/circuits/{circuit['id']}/activate", json={}).json()
+    assert view["steering"] == f'circuit;id="{circuit["id"]}";intensity="1.0";clamped=2'
 
 
 def test_inline_steering_or_a_profile_replaces_the_circuit_for_that_request(srv, tiny_engine, sae_paths: dict[str, str]) -> None:  # type: ignore[no-untyped-def]

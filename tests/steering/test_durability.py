@@ -116,7 +116,17 @@ def test_an_sae_whose_files_vanished_is_listed_unreadable_and_can_be_deleted(mak
         assert text(plain) == text(unsteered)
         assert chat(second, steering={"features": features([(1, 2.0)])}).headers["x-millm-steering"] == UNKNOWN
         refused = httpx.post(api + "/api/saes/gone/attach", json={"layer": 1})
-        assert (refused.status_code, refused.json()["error"]["code"]) == (400, "invalid_sae")
+        assert (refused.status_code, refused.json()["error"]["code"]) == (400, "invalid_sae")  # attaching reads the files again
+        # Writes and reads that need the attachment are the 409 it is listed with, never a file error.
+        for needs in (
+            httpx.put(api + "/api/steering", json={"sae_id": "gone", "layer": 1, "features": features([(3, 1.0)])}),
+            httpx.put(api + "/api/steering", json={"sae_id": "gone", "features": []}),
+            httpx.post(api + "/api/saes/gone/features", json={"text": "The sea", "layer": 1}),
+        ):
+            error = needs.json()["error"]
+            assert (needs.status_code, error["code"], error["param"]) == (409, "attachment_unusable", "layer"), needs.text
+            assert "sae_unreadable" in error["message"]
+        assert live(second)["manual"] == state["manual"]
         # It can be deleted; everything bound to it goes with it.
         ok(httpx.delete(api + "/api/saes/gone", headers=JSON))
         assert [s["id"] for s in ok(httpx.get(api + "/api/saes")).json()["data"]] == ["kept"]

@@ -136,6 +136,22 @@ def test_rules(steered_server, steering: dict[str, Any], extra: dict[str, Any], 
     assert (error["code"], error["param"]) == (code, param)
 
 
+def test_a_layer_nothing_fits_says_where_the_sae_is_attached(steered_server) -> None:  # type: ignore[no-untyped-def]
+    """The 400 says the SAE is *not* attached at the layer asked for, and where it is."""
+    one = [{"index": 1, "strength": 1.0}]
+    named = chat(steered_server, steering={"sae_id": "alpha", "layer": 0, "features": one}).json()["error"]
+    assert (named["code"], named["param"]) == ("sae_not_attached", "steering.layer")
+    assert named["message"] == "SAE 'alpha' is not attached at layer 0; it is attached at layer 1"
+    unnamed = chat(steered_server, steering={"layer": 3, "features": one}).json()["error"]
+    assert unnamed["message"] == "no SAE is attached at layer 3; the attachments are (alpha, layer 1)"
+    assert httpx.post(steered_server.base_url + "/api/saes/alpha/attach", json={"layer": 0}).status_code == 200
+    try:
+        several = chat(steered_server, steering={"sae_id": "alpha", "layer": 3, "features": one}).json()["error"]
+        assert several["message"] == "SAE 'alpha' is not attached at layer 3; it is attached at layers [0, 1]"
+    finally:
+        httpx.post(steered_server.base_url + "/api/saes/alpha/detach", json={"layer": 0})
+
+
 def test_ambiguity_names_every_attachment(steered_server) -> None:  # type: ignore[no-untyped-def]
     httpx.post(steered_server.base_url + "/api/saes/beta/attach", json={"layer": 0})
     try:

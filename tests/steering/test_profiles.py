@@ -225,7 +225,7 @@ def test_cluster_import_binds_to_the_attached_sae_and_reports_what_it_kept(srv) 
     created = httpx.post(srv.base_url + "/api/clusters/import", json=doc)
     assert created.status_code == 201, created.text
     assert created.json()["sae_id"] == "alpha" and created.json()["features"] == features([(5, 2.0), (9, -3.0)])
-    assert created.json()["cluster"] == {"intensity": 1.0, "intensity_range": [0.5, 1.5]}
+    assert created.json()["cluster"] == {"intensity": 1.0, "intensity_range": [0.5, 1.5], "n_features": D_SAE}  # the width it binds to
     assert created.json()["ignored_fields"] == ["description"]
     assert [c["name"] for c in httpx.get(srv.base_url + "/api/clusters").json()["data"]] == ["calm"]
     wrong_width = httpx.post(srv.base_url + "/api/clusters/import", json={**cluster_doc("w", [(1, 1.0)]), "sae": {"layer": 1, "n_features": D_SAE + 1}})
@@ -242,7 +242,11 @@ def test_cluster_import_binds_to_the_attached_sae_and_reports_what_it_kept(srv) 
     assert (over.status_code, over.json()["error"]["param"]) == (400, "budget.intensity"), over.text
     # Not sent, the dial starts at 1 within those bounds: never refused for what was not sent.
     unsent = httpx.post(srv.base_url + "/api/clusters/import", json={**cluster_doc("u", [(1, 1.0)]), "budget": {"intensity_range": [0.2, 0.6]}})
-    assert unsent.status_code == 201 and unsent.json()["cluster"] == {"intensity": 0.6, "intensity_range": [0.2, 0.6]}, unsent.text
+    assert unsent.status_code == 201 and unsent.json()["cluster"] == {"intensity": 0.6, "intensity_range": [0.2, 0.6], "n_features": D_SAE}, unsent.text
+    # A declared range wholly beyond the dial's [0, 2] envelope leaves no λ to dial.
+    beyond = httpx.post(srv.base_url + "/api/clusters/import", json={**cluster_doc("b", [(1, 1.0)]), "budget": {"intensity": 0.0, "intensity_range": [2.5, 3.0]}})
+    assert (beyond.status_code, beyond.json()["error"]["code"], beyond.json()["error"]["param"]) == (400, "invalid_parameter", "budget.intensity_range"), beyond.text
+    assert httpx.get(srv.base_url + "/api/clusters/b").status_code == 404
     huge = httpx.post(srv.base_url + "/api/profiles", json={"name": "h", "sae_id": "alpha", "layer": 2**64, "features": []})
     assert (huge.status_code, huge.json()["error"]["param"]) == (400, "layer"), huge.text
     httpx.post(srv.base_url + "/api/profiles", json={"name": "plain", "sae_id": "alpha", "layer": 1, "features": []})
@@ -327,6 +331,93 @@ def test_persistent_dial_applies_when_the_request_has_none_and_is_bounded(srv) -
     assert httpx.post(srv.base_url + "/api/clusters/kept/deactivate", json={}).json()["active_profile"] is None
 
 
+def test_a_cluster_capped_at_zero_echoes_the_intensity_it_resolved_to(srv) -> None:  # type: ignore[no-untyped-def]
+    """The dial's echo follows the base, not what the λ applied: a cluster whose range caps
+    it at 0 echoes 0.0 for any dial, as an explicit 0 does."""
+    capped = {**cluster_doc("z0", [(5, 2.0)]), "budget": {"intensity": 0.0, "intensity_range": [0.0, 0.0]}}
+    assert httpx.post(srv.base_url + "/api/clusters/import", json=capped).status_code == 201
+    for dial in (1.5, "max", 0, "off"):
+        resp = chat(srv, profile="z0", steering_intensity=dial)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-millm-steering"] == "none" and float(resp.headers["x-millm-steering-intensity"]) == 0.0, dial
+
+
+def test_rewriting_a_dial_with_the_value_it_has_leaves_the_epoch(srv) -> None:  # type: ignore[no-untyped-def]
+    httpx.post(srv.base_url + "/api/clusters/import", json=cluster_doc("same", [(5, 2.0)], [0.5, 1.5]))
+    assert httpx.post(srv.base_url + "/api/clusters/same/activate", json={}).status_code == 200
+    epoch = httpx.get(srv.base_url + "/api/steering").json()["epoch"]
+    again = httpx.put(srv.base_url + "/api/clusters/same/intensity", json={"intensity": 1.0})  # the dial it has
+    assert again.status_code == 200 and again.json()["cluster"]["intensity"] == 1.0, again.text
+    assert httpx.get(srv.base_url + "/api/steering").json()["epoch"] == epoch  # nothing changed: no ;changed for requests in flight
+    assert httpx.put(srv.base_url + "/api/clusters/same/intensity", json={"intensity": 0.5}).status_code == 200
+    assert httpx.get(srv.base_url + "/api/steering").json()["epoch"] == epoch + 1
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/api/profiles/calm/activate", "/api/clusters/calm/activate", "/api/clusters/calm/deactivate", "/api/profiles/deactivate"],
+)
+def test_activate_and_deactivate_refuse_a_body_they_do_not_take(srv, path: str) -> None:  # type: ignore[no-untyped-def]
+    httpx.post(srv.base_url + "/api/clusters/import", json=cluster_doc("calm", [(5, 2.0)]))
+    epoch = httpx.get(srv.base_url + "/api/steering").json()["epoch"]
+    unknown = httpx.post(srv.base_url + path, json={"force": True})
+    assert (unknown.status_code, unknown.json()["error"]["code"], unknown.json()["error"]["param"]) == (400, "invalid_parameter", "force"), unknown.text
+    garbage = httpx.post(srv.base_url + path, content="activate please", headers=JSON)
+    assert garbage.status_code == 400 and set(garbage.json()["error"]) == {"message", "type", "param", "code"}, garbage.text
+    assert httpx.get(srv.base_url + "/api/steering").json()["epoch"] == epoch  # nothing written
+    assert httpx.post(srv.base_url + path, headers=JSON).status_code == 200  # no body, as before
+    assert httpx.post(srv.base_url + path, json={}).status_code == 200
+
+
+def _narrow_sae(folder: pathlib.Path, d_in: int, width: int) -> str:
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(5)
+    folder.mkdir()
+    arrays = {"W_enc": rng.normal(size=(d_in, width)), "b_enc": np.zeros(width), "W_dec": rng.normal(size=(width, d_in)), "b_dec": np.zeros(d_in)}
+    save_file({k: v.astype(np.float32) for k, v in arrays.items()}, str(folder / "sae_weights.safetensors"))
+    (folder / "cfg.json").write_text(json.dumps({"d_in": d_in, "d_sae": width, "architecture": "standard"}))
+    return str(folder)
+
+
+def test_a_cluster_never_steers_an_sae_of_another_width_registered_under_its_id(make_server, tiny_engine, saes: dict[str, str], tmp_path: pathlib.Path) -> None:  # type: ignore[no-untyped-def]
+    """A cluster is bound to an SAE of its document's width: an SAE of another width
+    registered under the same id later is another SAE, and the cluster is refused on it
+    with 400 width_mismatch (the circuits' code), even where its indices still fit."""
+    narrow = _narrow_sae(tmp_path / "narrow", tiny_engine.info.d_model, D_SAE // 2)
+    with make_server() as server:
+        api = server.base_url
+        assert httpx.post(api + "/api/saes", json={"path": saes["alpha"], "id": "alpha"}).status_code == 201
+        assert httpx.post(api + "/api/saes/alpha/attach", json={"layer": 1}).status_code == 200
+        assert httpx.post(api + "/api/clusters/import", json=cluster_doc("wide", [(1, 4.0)])).status_code == 201
+        exported = httpx.get(api + "/api/profiles/wide/export").json()
+        assert exported["profiles"][0]["cluster"]["n_features"] == D_SAE
+        assert parse(chat(server, profile="wide").headers["x-millm-steering"])[0][0] == "profile"
+        assert httpx.delete(api + "/api/saes/alpha", headers=JSON).status_code == 200
+        assert httpx.post(api + "/api/saes", json={"path": narrow, "id": "alpha"}).status_code == 201
+        assert httpx.post(api + "/api/saes/alpha/attach", json={"layer": 1}).status_code == 200
+        for refused in (
+            chat(server, profile="wide"),
+            chat(server, profile="wide", steering_intensity=1.5),
+            httpx.post(api + "/api/clusters/wide/activate", json={}),
+            httpx.post(api + "/api/profiles/wide/activate", json={}),
+        ):
+            error = refused.json()["error"]
+            assert (refused.status_code, error["code"], error["param"]) == (400, "width_mismatch", "profile"), refused.text
+            assert f"width {D_SAE}" in error["message"] and f"width {D_SAE // 2}" in error["message"]
+        assert httpx.get(api + "/api/steering").json()["active_profile"] is None
+        # Importing the export again checks the width it records against the SAE now registered.
+        again = httpx.post(api + "/api/profiles/import?replace=true", json=exported)
+        assert (again.status_code, again.json()["error"]["code"], again.json()["error"]["param"]) == (400, "width_mismatch", "profiles[0].cluster.n_features")
+        # A circuit expanding the cluster on that SAE is refused the same way.
+        circuit = {"name": "c", "saes": [{"sae_id": "alpha", "layer": 1}], "members": [{"layer": 1, "cluster": "wide"}]}
+        expanded = httpx.post(api + "/api/circuits/import", json=circuit)
+        assert (expanded.status_code, expanded.json()["error"]["code"], expanded.json()["error"]["param"]) == (400, "width_mismatch", "members[0].cluster")
+
+
 def test_profiles_clusters_and_dials_survive_a_restart(make_server, saes: dict[str, str], tmp_path: pathlib.Path) -> None:  # type: ignore[no-untyped-def]
     db = str(tmp_path / "millm.db")
     with make_server(db=db) as first:
@@ -340,7 +431,7 @@ def test_profiles_clusters_and_dials_survive_a_restart(make_server, saes: dict[s
     with make_server(db=db) as second:
         listed = httpx.get(second.base_url + "/api/profiles").json()["data"]
         assert saved == listed  # the active profile persists too
-        assert httpx.get(second.base_url + "/api/clusters/c").json()["cluster"] == {"intensity": 0.75, "intensity_range": [0.5, 1.5]}
+        assert httpx.get(second.base_url + "/api/clusters/c").json()["cluster"] == {"intensity": 0.75, "intensity_range": [0.5, 1.5], "n_features": D_SAE}
         assert httpx.get(second.base_url + "/api/saes/alpha").json()["attached_layers"] == [1]
         [(_, params)] = parse(chat(second, profile="c").headers["x-millm-steering"])
         assert params["intensity"] == "0.75"

@@ -54,6 +54,8 @@ def test_lifecycle_and_refusals(make_server, tiny_engine, tmp_path: pathlib.Path
         bad = httpx.post(api, json={"path": str(tmp_path / "missing")})
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_sae"
         assert httpx.post(api, json={"path": good, "extra": 1}).status_code == 400
+        empty = httpx.post(api, json={"path": good, "id": ""})  # an id sent is checked as sent, never replaced by a derived one
+        assert (empty.status_code, empty.json()["error"]["code"], empty.json()["error"]["param"]) == (400, "invalid_parameter", "id")
         attached = httpx.post(api + "/tiny-l1/attach", json={"layer": 1})
         assert attached.status_code == 200 and attached.json()["attached_layers"] == [1]
         httpx.post(api + "/tiny-l1/attach", json={"layer": 0})
@@ -67,6 +69,34 @@ def test_lifecycle_and_refusals(make_server, tiny_engine, tmp_path: pathlib.Path
         assert httpx.delete(api + "/tiny-l1", headers=JSON).status_code == 200
         missing = httpx.get(api + "/tiny-l1")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "sae_not_found"
+
+
+def test_detaching_says_what_it_took_with_it(make_server, tiny_engine, tmp_path: pathlib.Path) -> None:  # type: ignore[no-untyped-def]
+    """Detaching (or deleting) an SAE deactivates the active profile bound there and erases
+    the manual values there, and the answer names both."""
+    d_model = tiny_engine.info.d_model
+    with make_server() as srv:
+        for name in ("one", "two"):
+            assert httpx.post(srv.base_url + "/api/saes", json={"path": write_sae(tmp_path / name, d_model, seed=len(name)), "id": name}).status_code == 201
+        api = srv.base_url
+        httpx.post(api + "/api/saes/one/attach", json={"layer": 0})
+        httpx.post(api + "/api/saes/one/attach", json={"layer": 1})
+        httpx.post(api + "/api/saes/two/attach", json={"layer": 1})
+        httpx.post(api + "/api/profiles", json={"name": "p", "sae_id": "one", "layer": 1, "features": [{"index": 4, "strength": 2.0}]})
+        assert httpx.post(api + "/api/profiles/p/activate", json={}).status_code == 200
+        values = [{"index": 1, "strength": 1.0}, {"index": 2, "strength": -1.0}]
+        assert httpx.put(api + "/api/steering", json={"sae_id": "one", "layer": 0, "features": values}).status_code == 200
+        assert httpx.put(api + "/api/steering", json={"sae_id": "two", "features": values[:1]}).status_code == 200
+        at_zero = httpx.post(api + "/api/saes/one/detach", json={"layer": 0}).json()
+        assert (at_zero["detached"], at_zero["deactivated_profile"], at_zero["manual_values_removed"]) == (1, None, 2)
+        at_one = httpx.post(api + "/api/saes/one/detach", json={"layer": 1}).json()
+        assert (at_one["detached"], at_one["deactivated_profile"], at_one["manual_values_removed"]) == (1, "p", 0)
+        assert httpx.get(api + "/api/steering").json()["active_profile"] is None
+        nothing = httpx.post(api + "/api/saes/one/detach", json={}).json()
+        assert (nothing["detached"], nothing["deactivated_profile"], nothing["manual_values_removed"]) == (0, None, 0)
+        deleted = httpx.delete(api + "/api/saes/two", headers=JSON).json()
+        assert deleted == {"id": "two", "deleted": True, "deactivated_profile": None, "manual_values_removed": 1}
+        assert httpx.get(api + "/api/steering").json()["manual"] == []
 
 
 def test_an_sae_with_non_finite_weights_is_refused(make_server, tiny_engine, tmp_path: pathlib.Path) -> None:  # type: ignore[no-untyped-def]
