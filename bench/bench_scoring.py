@@ -1,10 +1,16 @@
-"""Scoring throughput against a raw batched forward pass, in one run.
+"""Scoring throughput against raw forward passes, in one run.
 
 (a) the model's own forward on the 64 left-padded prompts, last-position logits only —
-    the least work that can answer, run on the server's scheduler thread;
+    the least work that can answer, but each prompt's numbers then depend on the others'
+    lengths (padding);
+(c) the model's own forward on each prompt alone, last-position logits only — the least
+    work that answers each prompt as it is alone, as millm does (a and c run on the
+    server's scheduler thread);
 (b) the same 64 prompts as one /v1/completions scoring request (logprobs 5, max_tokens 1)
     through the HTTP server.
-Prints prompts/s for each and b/a (target >= 0.9). Runs alternate; medians are compared.
+Prints prompts/s for each, b/c (millm against the same work done raw; target >= 0.9) and
+c/a (what an answer of its own costs against a padded batch). Runs alternate; medians are
+compared.
 
 Usage: python bench/bench_scoring.py [--models bench,smollm2] [--repeats 5]
 """
@@ -79,6 +85,15 @@ def run_model(name: str, path: str, dtype: str, repeats: int) -> dict[str, Any]:
                 engine.model(input_ids=batch, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=1)
             return len(ids) / (time.perf_counter() - start)
 
+        alone = [torch.tensor([seq]) for seq in ids]
+
+        def raw_alone() -> float:
+            start = time.perf_counter()
+            with torch.inference_mode():
+                for one in alone:
+                    engine.model(input_ids=one, use_cache=False, logits_to_keep=1)
+            return len(ids) / (time.perf_counter() - start)
+
         body = {"model": name, "prompt": texts, "max_tokens": 1, "logprobs": 5}
 
         def http() -> float:
@@ -87,7 +102,11 @@ def run_model(name: str, path: str, dtype: str, repeats: int) -> dict[str, Any]:
             assert resp.status_code == 200, resp.text
             return len(ids) / (time.perf_counter() - start)
 
-        variants = {"a_raw_forward": lambda: scheduler.call(raw).result(), "b_http_scoring": http}
+        variants = {
+            "a_raw_forward": lambda: scheduler.call(raw).result(),
+            "c_raw_each_alone": lambda: scheduler.call(raw_alone).result(),
+            "b_http_scoring": http,
+        }
         for fn in variants.values():
             fn()
         samples: dict[str, list[float]] = {k: [] for k in variants}
@@ -103,6 +122,8 @@ def run_model(name: str, path: str, dtype: str, repeats: int) -> dict[str, Any]:
         "prompts_per_s": {k: round(v, 2) for k, v in med.items()},
         "samples": {k: [round(x, 2) for x in v] for k, v in samples.items()},
         "ratio_b/a": round(med["b_http_scoring"] / med["a_raw_forward"], 3),
+        "ratio_b/c": round(med["b_http_scoring"] / med["c_raw_each_alone"], 3),
+        "ratio_c/a": round(med["c_raw_each_alone"] / med["a_raw_forward"], 3),
     }
 
 
@@ -118,10 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         locate, dtype = plan[key]
         reports.append(run_model(key, locate(), dtype, args.repeats))
         print(json.dumps(reports[-1]), file=sys.stderr)
-    print(f"\nscoring 64 prompts in one request\n{'model':<10}{'dtype':>10}{'tokens':>8}{'raw fwd':>10}{'http':>10}{'b/a':>7}")
+    print(f"\nscoring 64 prompts in one request (prompts/s)\n{'model':<10}{'dtype':>10}{'tokens':>8}{'a padded':>10}{'c alone':>9}{'b http':>8}{'b/c':>6}{'c/a':>6}")
     for r in reports:
         p = r["prompts_per_s"]
-        print(f"{r['model']:<10}{r['dtype']:>10}{r['mean_prompt_tokens']:>8}{p['a_raw_forward']:>10.1f}{p['b_http_scoring']:>10.1f}{r['ratio_b/a']:>7.2f}")
+        print(
+            f"{r['model']:<10}{r['dtype']:>10}{r['mean_prompt_tokens']:>8}{p['a_raw_forward']:>10.1f}{p['c_raw_each_alone']:>9.1f}"
+            f"{p['b_http_scoring']:>8.1f}{r['ratio_b/c']:>6.2f}{r['ratio_c/a']:>6.2f}"
+        )
     save_results("scoring.json", reports)
     return 0
 
