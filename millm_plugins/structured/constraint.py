@@ -11,8 +11,10 @@ the final :func:`~.schema.validate` alone (a complete document that fails it is 
 - ``minLength`` or ``maxLength`` together with ``pattern`` (the library refuses the
   pair; the pattern is kept), and ``minLength`` met by a surrogate-pair escape
   (``\\ud83d\\ude00`` counts as two characters while generated, one in the document);
-- ``enum``/``const`` strings holding ``"``, ``\\`` or control characters, and
-  ``enum``/``const`` objects or arrays holding strings (loosened to their JSON type);
+- ``enum``/``const`` strings holding ``"``, ``\\`` or control characters (at any depth of
+  an object or array value; such a string is loosened to any string). Objects are
+  written member by member, and arrays holding strings or objects as ``items`` when all
+  their items are equal; any other such array is refused by :func:`~.schema.check_schema`;
 - ``$ref`` with sibling keywords (the ref alone is followed), and ``anyOf`` branches whose
   keywords overlap the keywords beside the ``anyOf`` (the branch's win);
 - ``additionalProperties`` beside ``properties`` is stricter, not looser: only the listed
@@ -155,7 +157,8 @@ class _Repaired(CharacterLevelParser):
     holes in the library's character handling:
 
     - an integer may take an exponent (``1e-5``) and, after ``-0``, a fraction: while the
-      innermost value is an integer, ``e``, ``E`` and ``.`` are withheld;
+      innermost value is an integer, ``e``, ``E`` and ``.`` are withheld; and a number
+      took an exponent right after its decimal point (``0.E0``): withheld there;
     - whitespace at the start of a string's content is dropped (it reads it as whitespace
       before the value), so ``" pro o"`` passed ``maxLength: 5`` and a pattern never saw
       it: it is appended to the string here;
@@ -247,6 +250,8 @@ class _Repaired(CharacterLevelParser):
         members = _top_members(self.inner)
         if any(isinstance(p, NumberParsingState) and not p.allow_floating_point for p in members):
             allowed = allowed.replace("e", "").replace("E", "").replace(".", "")
+        if any(isinstance(p, NumberParsingState) and p.parsed_string.endswith(".") for p in members):
+            allowed = allowed.replace("e", "").replace("E", "")  # a fraction needs a digit first
         if len(members) == 1 and isinstance(members[0], ObjectParsingState):
             top = members[0]
             if top.current_stage == ObjectParsingStage.PARSING_KEY_OR_END and top.existing_keys:
@@ -279,6 +284,40 @@ class _RepairedUnion(UnionParser):
         return _TextChars(allowed) if any(isinstance(r, _TextChars) for r in readings) else allowed
 
 
+class _Then(SequenceParser):
+    """A document, then exactly a suffix (a forced tool call's closing), keeping the
+    document's free-text shortcut.
+
+    The library's ``SequenceParser`` reports no ``shortcut_key`` when it holds more than one
+    parser, so inside every free-text string (an open object's keys and values) the enforcer
+    explored the whole vocabulary character by character at every step: tens of seconds for
+    40 tokens, where ``json_object`` takes under one. While the document cannot end (inside a
+    string it never can), the suffix cannot begin either, so the document's allowed
+    characters, and its shortcut, are the sequence's own."""
+
+    def add_character(self, new_character: str) -> CharacterLevelParser:
+        return _rewrap(super().add_character(new_character))
+
+    def get_allowed_characters(self) -> str:
+        if len(self.parsers) > 1 and not self.parsers[0].can_end():
+            allowed: str = self.parsers[0].get_allowed_characters()  # a _TextChars keeps its routing
+            return allowed
+        return str(super().get_allowed_characters())
+
+    def shortcut_key(self) -> Any:
+        return self.parsers[0].shortcut_key() if self.parsers and not self.parsers[0].can_end() else super().shortcut_key()
+
+
+def _rewrap(parser: CharacterLevelParser) -> CharacterLevelParser:
+    """``parser`` with every plain ``SequenceParser`` it is made of (the library's
+    ``SequenceParser.add_character`` builds them) made a :class:`_Then`."""
+    if type(parser) is SequenceParser:
+        return _Then(parser.parsers)
+    if type(parser) is UnionParser:
+        return UnionParser([_rewrap(p) for p in parser.parsers])
+    return parser
+
+
 def parser_for(schema: dict[str, Any] | None, suffix: str = "", automata: Mapping[str, Any] | None = None) -> CharacterLevelParser:
     """A fresh character-level parser for one row: one JSON document of ``schema``
     (checked by :func:`~.schema.check_schema`; ``None``: any JSON object), then exactly
@@ -292,7 +331,7 @@ def parser_for(schema: dict[str, Any] | None, suffix: str = "", automata: Mappin
     config = parser_config()
     parser: CharacterLevelParser = _Repaired(_json_parser(lower(schema), config, automata or {}))
     if suffix:
-        parser = SequenceParser([parser, StringParser(suffix)])
+        parser = _Then([parser, StringParser(suffix)])
     return parser
 
 

@@ -31,7 +31,7 @@ import time
 from typing import IO, Any
 
 from interegular import parse_pattern
-from interegular.fsm import anything_else
+from interegular.fsm import FSM, anything_else
 
 MEMORY_LIMIT = 2 * 2**30
 """The child's address space, in bytes: a build that needs more fails (out of memory)."""
@@ -86,6 +86,30 @@ def _read(fd: int, deadline: float | None, trusted: bool) -> Any:
     return pickle.loads(data) if trusted else _FsmOnly(io.BytesIO(data)).load()
 
 
+def live_only(fsm: FSM) -> FSM:
+    """``fsm`` without its dead states (those from which no final state can be reached) and
+    the transitions into them; the same language. lm-format-enforcer's regex parser offers
+    every transition of a state as allowed, so a transition into a dead state would let a row
+    leave the pattern (and then write anything). Raises ``ValueError`` when no string
+    matches the pattern at all (the initial state is dead)."""
+    into: dict[Any, set[Any]] = {}
+    for state, transitions in fsm.map.items():
+        for target in transitions.values():
+            into.setdefault(target, set()).add(state)
+    live, pending = set(fsm.finals), list(fsm.finals)
+    while pending:
+        for source in into.get(pending.pop(), ()):
+            if source not in live:
+                live.add(source)
+                pending.append(source)
+    if fsm.initial not in live:
+        raise ValueError("no string matches the pattern")
+    if live >= set(fsm.states):
+        return fsm
+    kept = {state: {symbol: target for symbol, target in fsm.map.get(state, {}).items() if target in live} for state in live}
+    return FSM(alphabet=fsm.alphabet, states=live, initial=fsm.initial, finals=set(fsm.finals), map=kept)
+
+
 def _serve() -> None:
     """The child: read ``(number, pattern, limit_s)``, answer ``(number, kind, value)``
     with kind ``ok`` (the FSM), ``costly`` or ``error`` (a reason)."""
@@ -106,7 +130,7 @@ def _serve() -> None:
         if hasattr(signal, "alarm"):
             signal.alarm(math.ceil(limit_s) + 2)  # ends this process if nobody stops it
         try:
-            _write(stdout, (number, "ok", parse_pattern(pattern).to_fsm()))
+            _write(stdout, (number, "ok", live_only(parse_pattern(pattern).to_fsm())))
         except MemoryError:
             _write(stdout, (number, "costly", f"its automaton needs more than {MEMORY_LIMIT // 2**30} GiB to build"))
         except Exception as exc:  # noqa: BLE001 - interegular's parse errors, whatever their type

@@ -138,17 +138,34 @@ class _Lowerer:
             branches.append({"enum": list(dict.fromkeys(plain))})
         loose = {"string"} if len(plain) < len(strings) else set()
         texts = []
+        exact: list[dict[str, Any]] = []
         for value in candidates:
             if not isinstance(value, str):
                 text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-                if '"' in text or "\\" in text:
-                    loose.add(_json_type(value))
-                else:
+                if '"' not in text and "\\" not in text:
                     texts.append(text)
+                elif isinstance(value, dict):
+                    exact.append(self.literal_object(value))
+                elif isinstance(value, list) and all(item == value[0] and type(item) is type(value[0]) for item in value):
+                    items = self.values({"const": value[0]})
+                    exact.append({"type": "array", "items": items, "minItems": len(value), "maxItems": len(value)})
+                else:  # refused by check_schema (literal_problem): never reached for a checked schema
+                    loose.add(_json_type(value))
         if texts:
             branches.append({"enum": [_Literal(t) for t in dict.fromkeys(texts)]})
+        branches += exact
         branches += [self.typed({}, t) for t in sorted(loose)]
         return branches[0] if len(branches) == 1 else {"anyOf": branches}
+
+    def literal_object(self, value: dict[str, Any]) -> dict[str, Any]:
+        """An object value of an ``enum``/``const`` as the object schema that admits it
+        alone: each member a ``const`` of its own, every key required, no other key (the
+        library generates only the listed properties)."""
+        return {
+            "type": "object",
+            "properties": {key: self.values({"const": member}) for key, member in value.items()},
+            "required": list(value),
+        }
 
     def typed(self, s: dict[str, Any], kind: str) -> dict[str, Any]:
         if kind == "string":

@@ -38,6 +38,7 @@ NAME = "structured"
 HEADER = "X-miLLM-Constrained"
 PARAM = "response_format"
 SCHEMA_PARAM = "response_format.json_schema.schema"
+DESCRIPTION = "response_format.json_schema.description"
 
 RESPONSE_FORMAT: RequestField[ResponseFormat] = RequestField(
     "response_format",
@@ -84,6 +85,8 @@ def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
             )
         )
     if isinstance(fmt, JsonSchemaFormat):
+        if isinstance(fmt.json_schema.description, str) and fmt.json_schema.description:
+            ctx.ignored_fields.append(DESCRIPTION)  # OpenAI shows it to the model; nothing here does
         try:
             check_schema(fmt.json_schema.schema, SCHEMA_PARAM)  # the metaschema check included
         except ResponseFormatUnsupported as exc:

@@ -12,11 +12,13 @@ enforced by validation alone.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 from urllib.parse import unquote
 
 import interegular
@@ -42,6 +44,10 @@ SUPPORTED = frozenset(
     }
 )  # fmt: skip
 _VALUES = ("const", "enum", "default", "examples")  # keywords whose value is data, not a schema
+# The keywords beside an ``enum``/``const`` that its values are checked against when the
+# schema is (no subschemas among them, so the check needs no references resolved).
+_VALUE_SIBLINGS = ("type", "minimum", "maximum", "minLength", "maxLength", "pattern", "minItems", "maxItems", "required")
+LOOKAROUND = "a lookahead or lookbehind ((?=…), (?!…), (?<=…) or (?<!…))"
 
 
 @dataclass(frozen=True)
@@ -116,16 +122,120 @@ def _escaped_at_end(text: str) -> bool:
     return (len(text) - len(text.rstrip("\\"))) % 2 == 1
 
 
+def _has_lookaround(parsed: object) -> bool:
+    """Whether ``interegular``'s parse of a pattern holds a lookahead or lookbehind.
+
+    ``interegular`` parses every lookaround (as its ``_NonCapturing`` node) and builds an
+    automaton for a lookahead, but that automaton keeps states from which no match can be
+    completed, and lm-format-enforcer's regex parser offers every transition of a state as
+    allowed: a row could walk into such a state and then write anything, so the pattern
+    (and a ``maxLength`` beside it) would not be enforced at all."""
+    stack: list[object] = [parsed]
+    while stack:
+        node = stack.pop()
+        if type(node).__name__ == "_NonCapturing":
+            return True
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            for field in dataclasses.fields(node):
+                value = getattr(node, field.name, None)
+                stack.extend(value if isinstance(value, tuple) else (value,))
+    return False
+
+
 def _pattern_problem(pattern: str) -> str | None:
     try:
         re.compile(pattern)
     except (re.error, RecursionError, OverflowError) as exc:  # a count past C's integers, nesting past the stack
         return f"pattern is not a valid regular expression ({type(exc).__name__}: {exc})"
     try:
-        interegular.parse_pattern(enforcer_pattern(pattern))
+        parsed = interegular.parse_pattern(enforcer_pattern(pattern))
     except Exception as exc:  # interegular raises its own Unsupported and plain errors
         return f"pattern uses regular-expression syntax the constraint cannot enforce ({exc})"
+    if _has_lookaround(parsed):
+        return f"pattern uses regular-expression syntax the constraint cannot enforce ({LOOKAROUND})"
     return None
+
+
+def _plain_text(text: str) -> bool:
+    """Whether ``text`` holds no ``"``, ``\\`` or control character: the constraint spells
+    such a string (an ``enum``/``const`` string, a literal object's key) exactly."""
+    return not any(c in '"\\' or ord(c) < 0x20 for c in text)
+
+
+def literal_problem(value: Any) -> str | None:
+    """Why the token mask cannot write an ``enum``/``const`` value exactly (None: it can).
+
+    Scalars, arrays of numbers, booleans and nulls, and objects (member by member) are
+    written exactly; a string holding ``"``, ``\\`` or a control character is left to the
+    final validation (documented). An array holding a string or an object is not: the
+    constraint has no per-position items, so unless all its items are equal (then it is
+    ``items`` with a fixed count) it is refused, as is an object key holding ``"``, ``\\``
+    or a control character."""
+    stack: list[Any] = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, member in node.items():
+                if not _plain_text(key):
+                    return f"the object key {key!r} holds a quote, a backslash or a control character"
+                stack.append(member)
+        elif isinstance(node, list) and node:
+            if not _holds_text(node):
+                continue  # no string, no key: written as its JSON text
+            if any(item != node[0] or type(item) is not type(node[0]) for item in node[1:]):
+                return "an array holding strings or objects (the constraint writes such an array only when all its items are equal)"
+            stack.append(node[0])
+    return None
+
+
+def _holds_text(value: Any) -> bool:
+    """Whether a JSON value holds a string or an object key anywhere (its JSON text holds a
+    quote), found without recursion."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str) or (isinstance(node, dict) and node):
+            return True
+        if isinstance(node, list):
+            stack.extend(node)
+    return False
+
+
+def _fits(value: Any, siblings: dict[str, Any]) -> bool:
+    """Whether ``value`` satisfies ``siblings`` (keywords without subschemas); True when
+    they cannot be read (the metaschema check names a malformed keyword)."""
+    try:
+        return bool(Draft202012Validator(siblings).is_valid(value))
+    except Exception:  # noqa: BLE001 - a malformed keyword or pattern: refused elsewhere
+        return True
+
+
+def _number(value: Any) -> TypeGuard[int | float]:
+    """Whether ``value`` is a JSON number (a boolean is not)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _value_problems(node: dict[str, Any], path: tuple[str, ...]) -> Iterator[SchemaProblem]:
+    """An ``enum``/``const`` none of whose values satisfies the keywords beside it (no value
+    satisfies the schema), and values the token mask cannot write exactly."""
+    enum = node.get("enum")
+    if "enum" in node and not (isinstance(enum, list) and enum):
+        return  # empty (refused above) or malformed (the metaschema check)
+    key = "enum" if isinstance(enum, list) else "const"
+    values: list[tuple[tuple[str, ...], Any]]
+    values = [((key, str(i)), v) for i, v in enumerate(enum)] if isinstance(enum, list) else [((key,), node["const"])]
+    siblings = {k: node[k] for k in (*_VALUE_SIBLINGS, "const") if k in node and k != key}
+    if siblings:
+        values = [(where, v) for where, v in values if _fits(v, siblings)]
+        if not values:
+            beside = ", ".join(sorted(siblings))
+            unmet = f"no {key} value satisfies the keywords beside it ({beside}): no value can satisfy it"
+            yield SchemaProblem(pointer((*path, key)), key, unmet)
+            return
+    for where, v in values:
+        reason = literal_problem(v)
+        if reason is not None:
+            yield SchemaProblem(pointer((*path, *where)), key, f"the constraint cannot write this {key} value exactly: {reason}")
 
 
 def _value_depth(value: Any) -> int:
@@ -193,9 +303,16 @@ def _node_problems(root: dict[str, Any], node: dict[str, Any], path: tuple[str, 
         lo, hi = node.get(low), node.get(high)
         if isinstance(lo, int | float) and isinstance(hi, int | float) and not isinstance(lo, bool) and not isinstance(hi, bool) and lo > hi:
             yield SchemaProblem(pointer((*path, low)), low, f"{low} {lo} exceeds {high} {hi}: no value can satisfy it")
+    lo, hi = node.get("minimum"), node.get("maximum")
+    if (kind == "integer" or kind == ["integer"]) and _number(lo) and _number(hi) and lo <= hi and math.ceil(lo) > math.floor(hi):
+        yield SchemaProblem(
+            pointer((*path, "minimum")), "minimum", f"no integer lies between minimum {lo} and maximum {hi}: no value can satisfy it"
+        )
     for key in ("enum", "type"):
         if node.get(key) == []:
             yield SchemaProblem(pointer((*path, key)), key, f"an empty {key} list: no value can satisfy it")
+    if "enum" in node or "const" in node:
+        yield from _value_problems(node, path)
     required = node.get("required")
     if kind == "object" and node.get("additionalProperties") is False and isinstance(required, list) and (properties is None or isinstance(properties, dict)):
         missing = [name for name in required if isinstance(name, str) and name not in (properties or {})]
@@ -298,7 +415,12 @@ def check_schema(schema: object, param: str = SCHEMA_PARAM) -> None:
     ``default``, ``examples`` are ignored); a boolean subschema other than
     ``additionalProperties``; a ``$ref`` that is remote, points outside ``$defs`` or points
     nowhere, or that refers back to itself without nesting; a ``pattern`` the constraint's
-    regex engine cannot compile; ``minLength > maxLength`` or ``minItems > maxItems``;
+    regex engine cannot compile or enforce (a lookaround, a backreference, ``\\b``, …);
+    an ``enum``/``const`` value the mask cannot write exactly (:func:`literal_problem`);
+    what no value satisfies: ``minLength > maxLength``, ``minItems > maxItems``,
+    ``minimum > maximum`` on a number (or no integer between them on an integer), an
+    ``enum``/``const`` none of whose values satisfies the keywords beside it, an empty
+    ``enum`` or ``type``, a required name that cannot be a property;
     nesting deeper than 32, more than 256 properties in one object; and finally a schema
     that is not valid Draft 2020-12 (:func:`check_validator`). Before any of that, and
     alone: more than 64 KiB serialised, or more than 128 distinct patterns (each pattern

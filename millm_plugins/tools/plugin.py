@@ -57,6 +57,7 @@ from millm_plugins.structured.public import (
 
 from .fields import MAX_TOOLS, Tool, ToolChoice, forced_name, tool_dicts, unset
 from .formats import CallFormat, ForcedCall, detect_format, takes_tools
+from .formats.base import parameters_of
 from .pattern import pattern_parser
 from .processor import ToolCalls, special_markers
 
@@ -198,6 +199,13 @@ def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
             too_big = _too_big(parameters)
             if too_big:
                 problems.append(Problem(f"the parameters schema {too_big}", param=f"tools[{index}].function.parameters"))
+            elif (kind := _not_an_object(parameters)) is not None:
+                problems.append(
+                    Problem(
+                        f'a function\'s parameters must be a JSON Schema of type "object" (its arguments are a JSON object), not type {kind}',
+                        param=f"tools[{index}].function.parameters",
+                    )
+                )
     if PARALLEL.sent(request) and not tools:
         ctx.ignored_fields.append("parallel_tool_calls")
     duplicates = sorted(n for n, count in Counter(names).items() if count > 1)
@@ -205,8 +213,11 @@ def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
         problems.append(Problem(f"tool names must be unique; repeated: {', '.join(duplicates)}", param="tools"))
     if choice == "required" and not tools:
         problems.append(Problem('tool_choice "required" needs tools', param="tool_choice"))
+    elif choice == "auto" and TOOL_CHOICE.sent(request) and not tools:  # as OpenAI: "none" alone asks for nothing
+        problems.append(Problem('tool_choice "auto" needs tools; send tools, or leave tool_choice out', param="tool_choice"))
     if name is not None and name not in names:
         problems.append(Problem(f"tool_choice names {name!r}, which is not in tools", param="tool_choice"))
+    problems.extend(_unanswered_tool_messages(request))
     if not _active(request):
         return problems
     if constraint_of(request) is not None:
@@ -215,6 +226,29 @@ def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
     if template is not None:
         problems.append(template)
     return problems
+
+
+def _unanswered_tool_messages(request: Any) -> list[Problem]:
+    """A ``role: "tool"`` message must say which call it answers (``tool_call_id``), as
+    OpenAI requires: without it a template renders an answer to no call."""
+    conversations = request.conversations() if hasattr(request, "conversations") else [getattr(request, "messages", None) or []]
+    problems = []
+    for j, messages in enumerate(conversations):
+        where = "messages" if j == 0 else f"extra_messages[{j - 1}]"
+        for i, message in enumerate(messages):
+            if getattr(message, "role", None) == "tool" and unset(getattr(message, "tool_call_id", None)):
+                reason = 'a "tool" message needs the tool_call_id of the call it answers'
+                problems.append(Problem(reason, param=f"{where}[{i}].tool_call_id"))
+    return problems
+
+
+def _not_an_object(parameters: dict[str, Any]) -> str | None:
+    """The ``type`` of a parameters schema that does not describe a JSON object (None when
+    it does, or says nothing: an untyped schema is held to an object when constrained)."""
+    kind = parameters.get("type", "object")
+    if kind == "object" or kind == ["object"]:
+        return None
+    return json.dumps(kind)
 
 
 def _too_big(schema: dict[str, Any]) -> str | None:
@@ -326,7 +360,7 @@ def millm_render_chat(ctx: RequestContext, request: Any, model: ServedModel, cha
     if not constrained:
         _unheld_strict(ctx, tools)
     parallel = PARALLEL.get(request)
-    schemas = {t.function.name: t.function.parameters for t in tools if isinstance(t.function.parameters, dict)}
+    schemas = {t.function.name: parameters_of(msgspec.to_builtins(t.function)) for t in tools}
     ctx.stash[CALLING] = Calling(
         fmt, frozenset(t.function.name for t in tools), parallel is not False, forced, constrained, schemas if constrained else {}
     )

@@ -50,7 +50,8 @@ def special_markers(engine: Any, fmt: CallFormat) -> dict[int, str]:
 class ToolCalls:
     """One row's tool-call processor. ``opening`` is text the prompt already ended with
     (a forced call's opening): the reply is parsed as ``opening + text``, and all of it
-    is held, since the row is inside a call from its first token."""
+    is held, since the row is inside a call from its first token; when it is no call, the
+    content released is ``opening + text`` too."""
 
     def __init__(
         self,
@@ -73,6 +74,7 @@ class ToolCalls:
         self._text = ""
         self._sent = 0
         self._calls: list[ParsedCall] = []
+        self._opening_released = False
 
     def logit_bias(self) -> None:
         return None
@@ -98,7 +100,12 @@ class ToolCalls:
                 if self._opening:
                     return ""
                 return content[self._sent :] if len(content) > self._sent else ""
+        # Not a call: released as content. A forced call's opening was never sent (the row
+        # was held from its first token), and what the model wrote is only the rest of it,
+        # so the opening leads the content: the reply reads as the model's whole turn.
         rest = self._text[self._sent :]
+        if self._opening and not self._opening_released:
+            rest, self._opening_released = self._opening + rest, True
         self._sent = len(self._text)
         return rest
 

@@ -94,6 +94,12 @@ def test_every_cell_behaves_as_the_table_says(server, gguf_server, tools_server)
                     assert (resp.status_code, resp.json()["error"]["param"]) == (400, "tools") and "takes no tools" in resp.text, resp.text
                     continue
             body = {**BASES[endpoint], "model": model, field: SAMPLE_OVERRIDES.get((field, endpoint), SAMPLES[field])}
+            if field == "tool_choice" and cell["status"] != "refused":  # it chooses among tools: sent beside them
+                if cell["engine"] != "transformers":  # no template here takes tools: alone, it is refused by name
+                    resp = http.post(srv.base_url + PATHS[endpoint], json=body)
+                    assert (resp.status_code, resp.json()["error"]["param"]) == (400, "tool_choice") and "needs tools" in resp.text, resp.text
+                    continue
+                srv, body["tools"] = tools_server, SAMPLES["tools"]
             if cell["status"] == "honoured-with-condition":
                 body.update(CONDITIONS.get(field, {}))
                 body[field] = CONDITIONAL_SAMPLES.get(field, SAMPLE_OVERRIDES.get((field, endpoint), SAMPLES[field]))

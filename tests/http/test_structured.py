@@ -187,6 +187,9 @@ def test_a_pattern_too_costly_to_compile_is_refused_up_front(server: RunningServ
         ({"type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]}, "/properties/a/enum"),
         ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 2}}}, "/properties/a/minimum"),
         ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"], "additionalProperties": False}, "/required"),
+        ({"type": "object", "properties": {"a": {"type": "integer", "enum": ["x"]}}, "required": ["a"]}, "/properties/a/enum"),
+        ({"type": "object", "properties": {"a": {"type": "string", "const": 3}}, "required": ["a"]}, "/properties/a/const"),
+        ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 1.5, "maximum": 1.7}}, "required": ["a"]}, "/properties/a/minimum"),
     ],
 )
 def test_a_schema_no_value_satisfies_is_refused_up_front(server: RunningServer, schema: dict[str, Any], where: str) -> None:
@@ -363,3 +366,58 @@ def test_the_patterns_of_one_request_share_its_builds_across_plugins() -> None:
         builds.wait([f"[g-h]-{tag}", f"[i-j]-{tag}"], {}, ValueError, other)
     finally:
         builds.shutdown()
+
+
+@pytest.mark.parametrize("pattern", ["^(?!abc)[a-c]{3}$", "^[a-c](?!z)[a-c]{2}$", "^(?=b)[a-z]{3}$", "(?<!a)b"])
+def test_a_pattern_with_a_lookaround_is_refused_before_anything_runs(server: RunningServer, pattern: str) -> None:
+    """A lookahead was served and not enforced at all (nor the maxLength beside it): the
+    model wrote "abcdefg..." until max_tokens; a positive one failed with a 500 after."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern, "maxLength": 5}}, "required": ["a"], "additionalProperties": False}
+    steps = _steps(server)
+    resp = _chat(server, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["code"], error["param"]) == ("response_format_unsupported", "response_format.json_schema.schema")
+    assert "/properties/a/pattern" in error["message"] and "lookahead or lookbehind" in error["message"]
+    assert _steps(server) == steps  # nothing ran
+
+
+@pytest.mark.parametrize("value", [{"enum": [{"x": 1}, [1, 2]]}, {"const": {"x": 1}}, {"const": {"x": ["a", "a"], "y": None}}])
+def test_enum_and_const_objects_are_enforced(server: RunningServer, gguf_server: RunningServer, value: dict[str, Any]) -> None:
+    """They were loosened to any object: the model wrote keys until max_tokens, or closed
+    an object the final check refused (a 500)."""
+    schema = {"type": "object", "properties": {"a": value}, "required": ["a"], "additionalProperties": False}
+    for srv, model in ((server, "tiny"), (gguf_server, "tiny:F32")):
+        resp = _chat(srv, model=model, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
+def test_an_array_literal_the_mask_cannot_write_is_refused_by_pointer(server: RunningServer) -> None:
+    schema = {"type": "object", "properties": {"a": {"enum": [1, ["x", "y"]]}}}
+    resp = _chat(server, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "response_format_unsupported" and "/properties/a/enum/1" in error["message"], error
+
+
+def test_a_schema_description_is_reported_unused(server: RunningServer) -> None:
+    """OpenAI shows ``json_schema.description`` to the model; millm does not."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "judge_v1", "schema": BOUNDED, "description": "how funny it is"}}
+    resp = _chat(server, response_format=fmt, max_tokens=2)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-millm-ignored-fields"] == '"response_format.json_schema.description"'
+    assert "x-millm-ignored-fields" not in _chat(server, response_format=JUDGE, max_tokens=2).headers
+
+
+@pytest.mark.parametrize(("pattern", "reason"), [(r"^x[^\s\S]$", "no string matches"), ("(?m)ab", "MULTILINE")])
+def test_a_pattern_found_unservable_when_built_is_refused_before_its_rows_run(server: RunningServer, pattern: str, reason: str) -> None:
+    """Found when the automaton is built (before the rows run): a pattern no string matches
+    (the constraint dead-ended: a 500 after generating), an inline flag interegular lacks."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}, "required": ["a"]}
+    resp = _chat(server, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "response_format_unsupported" and reason in error["message"], error

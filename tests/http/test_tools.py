@@ -132,6 +132,16 @@ def test_tool_choice_none_does_not_show_the_tools(tools_server: RunningServer) -
     assert shown > plain + 20  # the template lists the tools' JSON in the system turn
 
 
+def test_tool_choice_without_tools_asks_for_something_only_when_it_is_not_none(tools_server: RunningServer) -> None:
+    """As OpenAI: "auto" (or "required", or a name) without tools is a 400 naming
+    tool_choice; "none" alone asks for nothing and is served."""
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        resp = httpx.post(tools_server.base_url + "/v1/chat/completions", json={"model": "tiny-hermes", "messages": MESSAGES, "max_tokens": 2, "tool_choice": choice}, timeout=60)
+        assert (resp.status_code, resp.json()["error"]["param"]) == (400, "tool_choice"), resp.text
+    none = httpx.post(tools_server.base_url + "/v1/chat/completions", json={"model": "tiny-hermes", "messages": MESSAGES, "max_tokens": 2, "tool_choice": "none"}, timeout=60)
+    assert none.status_code == 200, none.text
+
+
 def test_auto_with_a_model_that_writes_no_call_returns_content(tools_server: RunningServer) -> None:
     resp = _chat(tools_server, tools=TOOLS, max_tokens=8)
     choice = resp.json()["choices"][0]
@@ -318,3 +328,95 @@ def test_a_forced_call_whose_automaton_cannot_be_built_in_time_goes_unconstraine
     assert resp.status_code == 200, resp.text
     assert "x-millm-constrained" not in resp.headers
     assert "tools[0].function.strict" in resp.headers.get("x-millm-ignored-fields", "")
+
+
+@pytest.mark.parametrize("parameters", [{"type": "string", "enum": ["Paris", "Rome"]}, {"type": "array", "items": {"type": "string"}}, {"type": ["object", "null"]}])
+@pytest.mark.parametrize("tool_choice", [NAMED, "required", "auto"])
+def test_parameters_that_are_no_object_schema_are_refused(tools_server: RunningServer, parameters: dict[str, Any], tool_choice: Any) -> None:
+    """As OpenAI refuses them. A forced call to one came back as a 200 with no tool_calls and
+    a headless fragment of the call as content (arguments must be an object)."""
+    odd = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+    resp = _chat(tools_server, tools=[odd], tool_choice=tool_choice)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["param"], error["code"]) == ("tools[0].function.parameters", "invalid_parameter"), error
+    assert 'type "object"' in error["message"]
+
+
+@pytest.mark.parametrize("model", ["tiny-hermes", "tiny-llama3", "tiny-lfm2"])
+def test_a_function_without_parameters_is_called_with_no_arguments(tools_server: RunningServer, model: str) -> None:
+    """OpenAI reads omitted parameters as a function taking none: a forced call closes as {}
+    (it was an open object, which a model could fill until max_tokens)."""
+    ping = {"type": "function", "function": {"name": "ping"}}
+    for choice in ({"type": "function", "function": {"name": "ping"}}, "required"):
+        resp = _chat(tools_server, model=model, tools=[ping], tool_choice=choice)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-millm-constrained"] == "tool_arguments"
+        body = resp.json()["choices"][0]
+        assert body["finish_reason"] == "tool_calls", body
+        assert json.loads(body["message"]["tool_calls"][0]["function"]["arguments"]) == {}
+
+
+def test_a_forced_call_with_an_open_object_is_an_object(tools_server: RunningServer) -> None:
+    """``parameters: {"type": "object"}`` is constrained like json_object (the suffix after
+    the arguments no longer costs the free-text shortcut: see test_constraint)."""
+    anything = {"type": "function", "function": {"name": "anything", "parameters": {"type": "object"}}}
+    resp = _chat(tools_server, tools=[anything], tool_choice={"type": "function", "function": {"name": "anything"}}, max_tokens=40)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-millm-constrained"] == "tool_arguments"
+    message = resp.json()["choices"][0]["message"]
+    if message.get("tool_calls"):
+        assert isinstance(json.loads(message["tool_calls"][0]["function"]["arguments"]), dict)
+    else:  # cut by max_tokens: the whole text of the call, its opening included
+        assert message["content"].startswith('<tool_call>\n{"name": "anything", "arguments": {'), message
+
+
+def test_an_unparsed_forced_call_is_content_with_its_opening(tools_server: RunningServer) -> None:
+    """Arguments beyond what can be constrained (``format``) are written freely; when they
+    do not make a call, the reply is the whole text of the turn, the forced opening first
+    (it was the fragment after it alone), on chat completions and on responses."""
+    mail: dict[str, Any] = {"type": "object", "properties": {"to": {"type": "string", "format": "email"}}, "required": ["to"]}
+    send: dict[str, Any] = {"type": "function", "function": {"name": "send", "parameters": mail}}
+    named = {"type": "function", "function": {"name": "send"}}
+    opening = '<tool_call>\n{"name": "send", "arguments": '
+    resp = _chat(tools_server, tools=[send], tool_choice=named, max_tokens=12)
+    assert resp.status_code == 200, resp.text
+    assert "x-millm-constrained" not in resp.headers
+    choice = resp.json()["choices"][0]
+    assert "tool_calls" not in choice["message"] and choice["finish_reason"] == "length", choice
+    assert choice["message"]["content"].startswith(opening) and len(choice["message"]["content"]) > len(opening)
+    streamed = _client(tools_server).chat.completions.create(  # type: ignore[call-overload]
+        model="tiny-hermes", messages=MESSAGES, tools=[send], tool_choice=named, max_tokens=12, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == choice["message"]["content"]
+    responses = httpx.post(
+        tools_server.base_url + "/v1/responses",
+        json={"model": "tiny-hermes", "input": MESSAGES[0]["content"], "tools": [{"type": "function", **send["function"]}],
+              "tool_choice": {"type": "function", "name": "send"}, "max_output_tokens": 12, "temperature": 0},
+        timeout=120,
+    )  # fmt: skip
+    assert responses.status_code == 200, responses.text
+    texts = [part["text"] for item in responses.json()["output"] if item["type"] == "message" for part in item["content"]]
+    assert texts == [choice["message"]["content"]], responses.json()
+
+
+def test_a_tool_message_without_its_call_id_is_refused(tools_server: RunningServer) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "sunny"}]
+    resp = _chat(tools_server, messages=history, tools=TOOLS, max_tokens=2)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "messages[2].tool_call_id"
+    later = _chat(tools_server, messages=MESSAGES, extra_messages=[history], max_tokens=2)
+    assert later.status_code == 400 and later.json()["error"]["param"] == "extra_messages[0][2].tool_call_id", later.text
+
+
+def test_a_lookahead_in_forced_arguments_leaves_them_unconstrained_and_says_so(tools_server: RunningServer) -> None:
+    """A lookahead the constraint cannot enforce was served as constrained (the header set,
+    nothing held): as for any syntax beyond the subset, the call is forced, its arguments
+    written freely, the header absent and strict reported."""
+    city = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^(?!Paris)[A-Za-z]{3}$"}}, "required": ["city"]}
+    lookup = {"type": "function", "function": {"name": "lookup", "strict": True, "parameters": city}}
+    resp = _chat(tools_server, tools=[lookup], tool_choice={"type": "function", "function": {"name": "lookup"}}, max_tokens=12)
+    assert resp.status_code == 200, resp.text
+    assert "x-millm-constrained" not in resp.headers
+    assert resp.headers["x-millm-ignored-fields"] == '"tools[0].function.strict"'

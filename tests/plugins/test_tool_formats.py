@@ -28,6 +28,7 @@ from millm_plugins.tools.formats import (
     holdback,
     takes_tools,
 )
+from millm_plugins.tools.formats.base import NO_ARGUMENTS
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = ROOT / "tests" / "fixtures" / "templates"
@@ -279,8 +280,12 @@ def test_forced_openings() -> None:
     assert HERMES.forced(tools, "get_weather") == ForcedCall(
         '<tool_call>\n{"name": "get_weather", "arguments": ', params, "}\n</tool_call>"
     )
-    assert HERMES.forced(tools, "now") == ForcedCall('<tool_call>\n{"name": "now", "arguments": ', {"type": "object"}, "}\n</tool_call>")
+    # Without parameters a function takes none (as OpenAI reads it); an empty schema is any object.
+    assert HERMES.forced(tools, "now") == ForcedCall('<tool_call>\n{"name": "now", "arguments": ', dict(NO_ARGUMENTS), "}\n</tool_call>")
     assert LLAMA3.forced([tool("now", {})], "now").schema == {"type": "object"}
+    # A schema without a type is held to an object (arguments are one).
+    untyped = {"properties": {"a": {"type": "integer"}}}
+    assert LLAMA3.forced([tool("now", untyped)], "now").schema == {**untyped, "type": "object"}
     assert LLAMA3.forced(tools, "get_weather") == ForcedCall('{"name": "get_weather", "parameters": ', params, "}")
     forced = PYTHONIC.forced(tools, "get_weather")
     assert (forced.opening, forced.schema, forced.suffix) == ("<|tool_call_start|>[get_weather(", None, ")]<|tool_call_end|>")
@@ -290,7 +295,7 @@ def test_forced_openings() -> None:
         {
             "anyOf": [
                 {**branch, "properties": {"name": {"const": "get_weather"}, "arguments": params}},
-                {**branch, "properties": {"name": {"const": "now"}, "arguments": {"type": "object"}}},
+                {**branch, "properties": {"name": {"const": "now"}, "arguments": NO_ARGUMENTS}},
             ]
         },
         "\n</tool_call>",

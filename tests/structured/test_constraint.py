@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -230,6 +231,17 @@ OBJECT_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"t
         ({"const": 5}, "5", True),  # a numeric const crashed the library
         ({"const": 5}, "6", False),
         ({"const": "hi"}, '"hi"', True),
+        ({"enum": [{"x": 1}, [1, 2]]}, '{"x": 1}', True),  # objects are written member by member
+        ({"enum": [{"x": 1}, [1, 2]]}, "{}", False),  # the object was loosened to any object
+        ({"enum": [{"x": 1}, [1, 2]]}, '{"x": 2}', False),
+        ({"enum": [{"x": 1}, [1, 2]]}, '{"x": 1, "y": 1}', False),
+        ({"const": {"x": {"y": ["b", "b"]}, "z": None}}, '{"z": null, "x": {"y": ["b", "b"]}}', True),  # any key order
+        ({"const": {"x": {"y": ["b", "b"]}, "z": None}}, '{"x": {"y": ["b"]}, "z": null}', False),
+        ({"const": {"x": {"y": ["b", "b"]}, "z": None}}, '{"x": {"y": ["b", "b"]}}', False),
+        ({"enum": [{"x": 1}, {"x": 2, "y": "q"}]}, '{"x": 2, "y": "q"}', True),
+        ({"enum": [{"x": 1}, {"x": 2, "y": "q"}]}, '{"x": 1, "y": "q"}', False),
+        ({"const": ["a", "a"]}, '["a", "a"]', True),
+        ({"const": ["a", "a"]}, '["a"]', False),
         ({"type": "string", "enum": ["a", 1, "b"]}, "1", False),  # enum filtered by its type
         ({"type": ["string", "null"], "maxLength": 2}, '"abc"', False),  # a type list dropped maxLength
         ({"type": ["string", "null"], "maxLength": 2}, "null", True),
@@ -287,6 +299,9 @@ OBJECT_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"t
             '{"a": false}',
             True,
         ),
+        ({"type": "number"}, "0.E0", False),  # a fraction needs its digit before an exponent (hypothesis found it)
+        ({"type": "number"}, "0.5E0", True),
+        ({"type": "number"}, "-1.e5", False),
     ],
 )
 def test_the_parser_takes_exactly_the_schema(schema: dict[str, Any] | None, text: str, accepted: bool) -> None:
@@ -295,6 +310,46 @@ def test_the_parser_takes_exactly_the_schema(schema: dict[str, Any] | None, text
     assert feeds(schema, text) is accepted
     if accepted and schema is not None:
         assert validate(text, schema) is None
+
+
+def test_a_suffix_keeps_the_free_text_shortcut() -> None:
+    """A forced tool call is a document then its closing: inside a free-text string the
+    sequence gives the document's free-text shortcut, as the document alone does (without it
+    the enforcer explored the vocabulary character by character at every step: a forced call
+    with an open object took tens of seconds where json_object took under one)."""
+    alone: CharacterLevelParser = parser_for({"type": "object"})
+    suffixed: CharacterLevelParser = parser_for({"type": "object"}, "}\n</tool_call>")
+    for character in '{"ab':
+        alone, suffixed = alone.add_character(character), suffixed.add_character(character)
+        assert suffixed.shortcut_key() == alone.shortcut_key()
+        assert set(suffixed.get_allowed_characters()) == set(alone.get_allowed_characters())
+    assert alone.shortcut_key() == ("json_freetext", 2, 0, sys.maxsize)
+    for character in '": 1}':
+        suffixed = suffixed.add_character(character)
+    assert set(suffixed.get_allowed_characters()) - set(" \t\r\n") == {"}"} and not suffixed.can_end()  # then the suffix
+
+
+def test_a_built_automaton_has_no_state_a_match_cannot_leave() -> None:
+    """lm-format-enforcer offers every transition of an automaton's state as allowed; a
+    transition into a state from which no match can be completed (interegular leaves them in
+    a lookahead's automaton) let a row leave the pattern and write anything after it. The
+    build process drops them, and refuses a pattern that no string matches."""
+    from lmformatenforcer import RegexParser
+
+    from millm_plugins.structured.automata import _context
+    from millm_plugins.structured.constraint import parser_config
+    from millm_plugins.structured.fsmbuild import Builder
+
+    builder = Builder()
+    try:
+        parser = RegexParser(_context(builder.build("(?:(?!abc)[a-c]{3})", 10.0)), parser_config())
+        for character in "ab":
+            parser = parser.add_character(character)
+        assert sorted(parser.get_allowed_characters()) == ["a", "b"]  # "c" led to a dead state, then to anything
+        with pytest.raises(ValueError, match="no string matches"):
+            builder.build("(?:x[^\\s\\S])", 10.0)
+    finally:
+        builder.close()
 
 
 def test_whitespace_runs_are_bounded() -> None:

@@ -39,6 +39,13 @@ SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-500, 500), PLAIN)
 WILD = st.text(st.characters(max_codepoint=0x7E) | st.just("é"), max_size=4)
 PATTERNS = st.sampled_from([r"^[a-z]{2,4}$", r"^\d{3}-\d{2}$", r"[A-Z][a-z]{0,3}", r"^(yes|no|maybe)$", r"^x\u0079z$"])
 TYPES = ["object", "array", "string", "number", "integer", "boolean", "null"]
+# enum/const objects and arrays the constraint writes exactly: objects member by member,
+# arrays of equal items (an array of different strings or objects is refused).
+LITERALS = st.recursive(
+    SCALARS,
+    lambda inner: st.dictionaries(NAMES, inner, max_size=3) | st.tuples(inner, st.integers(0, 2)).map(lambda pair: [pair[0]] * pair[1]),
+    max_leaves=5,
+)
 
 
 def _json_key(value: Any) -> str:
@@ -61,13 +68,17 @@ def _string(draw: Any) -> dict[str, Any]:
 @st.composite
 def enforced_leaves(draw: Any) -> dict[str, Any]:
     """Leaf schemas whose every keyword the constraint enforces."""
-    kind = draw(st.sampled_from(["string", "integer", "number", "boolean", "null", "enum", "const", "typed_enum", "types", "any"]))
+    kind = draw(
+        st.sampled_from(["string", "integer", "number", "boolean", "null", "enum", "const", "object_enum", "typed_enum", "types", "any"])
+    )
     if kind == "string":
         schema = _string(draw)
     elif kind == "enum":
         schema = {"enum": draw(st.lists(SCALARS, min_size=1, max_size=4, unique_by=_json_key))}
     elif kind == "const":
-        schema = {"const": draw(SCALARS | st.lists(st.integers(-9, 9) | st.booleans() | st.none(), max_size=3))}
+        schema = {"const": draw(SCALARS | st.lists(st.integers(-9, 9) | st.booleans() | st.none(), max_size=3) | LITERALS)}
+    elif kind == "object_enum":  # objects (and arrays of equal items) are written member by member
+        schema = {"enum": draw(st.lists(LITERALS, min_size=1, max_size=3, unique_by=_json_key))}
     elif kind == "typed_enum":  # enum values are filtered by the keywords beside them
         kind, fitting = draw(st.sampled_from([("string", PLAIN), ("integer", st.integers(-9, 9)), ("boolean", st.booleans())]))
         values = [draw(fitting), *draw(st.lists(SCALARS, max_size=4))]
@@ -152,7 +163,8 @@ def _validation_only_leaves(draw: Any) -> dict[str, Any]:
     if kind == "pattern_lengths":
         return {"type": "string", "pattern": draw(PATTERNS), "minLength": 1, "maxLength": 4}
     if kind == "wild_enum":
-        return {"enum": draw(st.lists(WILD | st.lists(WILD, max_size=2), min_size=1, max_size=3, unique_by=_json_key))}
+        wild = WILD | WILD.map(lambda text: [text, text]) | st.dictionaries(NAMES, WILD, max_size=2)
+        return {"enum": draw(st.lists(wild, min_size=1, max_size=3, unique_by=_json_key))}
     return {"$ref": "#/$defs/shared", "maximum": 3}  # subset_schemas puts "shared" in the root
 
 
@@ -331,6 +343,79 @@ def test_patterns_the_constraint_cannot_compile_are_refused() -> None:
     assert "cannot enforce" in _refusal({"type": "string", "pattern": r"a$|b"}).message
     assert "not a valid regular expression" in _refusal({"type": "string", "pattern": "(unclosed"}).message
     check_schema({"type": "string", "pattern": r"^caf\u00e9$"})
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "^(?!abc)[a-c]{3}$",  # the automaton kept dead states: "abcdefg..." was generated
+        "^[a-c](?!z)[a-c]{2}$",
+        "^(?=b)[a-z]{3}$",  # accepted, then a 500 after generating
+        "(?<=a)b",
+        "(?<!a)b",
+        "^(?:x(?=y)|z)+$",  # nested inside a group and a repeat
+        "^[a-z]+(?P<tail>(?!q)[a-z])$",
+    ],
+)
+def test_lookarounds_are_refused_like_other_unenforceable_syntax(pattern: str) -> None:
+    """interegular parses every lookaround (and builds a lookahead's automaton), but the
+    constraint cannot enforce one: refused up front, as a backreference or ``\\b`` is."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern, "maxLength": 5}}, "required": ["a"]}
+    error = _refusal(schema)
+    assert (error.code, error.param) == ("response_format_unsupported", PARAM)
+    assert [(p.pointer, p.keyword) for p in error.problems] == [("/properties/a/pattern", "pattern")]
+    assert "regular-expression syntax the constraint cannot enforce" in error.message and "lookahead or lookbehind" in error.message
+    check_schema({"type": "string", "pattern": "^(?:ab|c)[?=!<]{2}$"})  # a plain group and the characters themselves are fine
+
+
+@pytest.mark.parametrize(
+    ("value", "where"),
+    [
+        ({"const": ["a", "b"]}, "/const"),  # no per-position items: the order could not be held
+        ({"enum": [1, [{"x": 1}, {"x": 2}]]}, "/enum/1"),
+        ({"const": {"x": ["a", 1]}}, "/const"),  # at any depth
+        ({"enum": [{'k"ey': 1}]}, "/enum/0"),  # a key the mask cannot spell
+    ],
+)
+def test_enum_and_const_values_the_mask_cannot_write_are_refused(value: dict[str, Any], where: str) -> None:
+    error = _refusal({"type": "object", "properties": {"a": value}})
+    assert error.problems[0].pointer == "/properties/a" + where and "cannot write this" in error.message
+
+
+def test_enum_and_const_objects_and_arrays_of_equal_items_are_accepted() -> None:
+    values: list[dict[str, Any]] = [{"const": {"x": 1}}, {"enum": [{"x": 1}, [1, 2]]}, {"const": ["a", "a"]}, {"const": {"x": {"y": [True]}}}, {"const": []}]
+    for value in values:
+        check_schema({"type": "object", "properties": {"a": value}})
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"type": "integer", "enum": ["x"]}, "/enum"),
+        ({"type": "string", "const": 3}, "/const"),
+        ({"type": "boolean", "enum": [0, 1]}, "/enum"),  # 0 and 1 are no booleans
+        ({"enum": ["a", "b"], "const": "c"}, "/enum"),
+        ({"type": "string", "maxLength": 1, "enum": ["ab", "cd"]}, "/enum"),
+        ({"type": "integer", "minimum": 1.5, "maximum": 1.7}, "/minimum"),
+        ({"type": ["integer"], "minimum": -0.9, "maximum": -0.1}, "/minimum"),
+    ],
+)
+def test_values_that_cannot_meet_their_schema_are_refused(schema: dict[str, Any], where: str) -> None:
+    """Each was accepted and failed with a 500 after the model had written what it could."""
+    error = _refusal({"type": "object", "properties": {"a": schema}})
+    assert error.problems[0].pointer == "/properties/a" + where and "no value can satisfy it" in error.message
+
+
+def test_values_that_can_meet_their_schema_are_accepted() -> None:
+    for schema in (
+        {"type": "string", "enum": ["a", 1]},  # 1 is filtered out, "a" is left
+        {"type": "integer", "enum": [1.0]},  # 1.0 is an integer
+        {"type": "integer", "minimum": 1.5, "maximum": 2},
+        {"type": "number", "minimum": 1.5, "maximum": 1.7},
+        {"type": ["integer", "null"], "minimum": 1.5, "maximum": 1.7},  # null
+        {"enum": ["a", "b"], "const": "b"},
+    ):
+        check_schema({"type": "object", "properties": {"a": schema}})
 
 
 def test_enforcer_pattern_strips_outer_anchors_only() -> None:

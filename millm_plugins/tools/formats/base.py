@@ -154,11 +154,22 @@ def function_of(tool: Mapping[str, Any]) -> Mapping[str, Any]:
     return function
 
 
+NO_ARGUMENTS: Mapping[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+"""The parameters of a function sent without ``parameters``: as OpenAI reads it, a function
+that takes no arguments (a forced call's arguments are ``{}``)."""
+
+
 def parameters_of(function: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of the function's parameters schema; ``{"type": "object"}`` when it has none (or an
-    empty one, which would let the model write a non-object where arguments belong)."""
+    """A copy of the function's parameters schema, held to an object: ``type: "object"`` is
+    added where it has no ``type`` (arguments are a JSON object; a schema without one would
+    let the model write a string there), ``{"type": "object"}`` for an empty one, and
+    :data:`NO_ARGUMENTS` when it has none."""
     parameters = function.get("parameters")
-    return copy.deepcopy(dict(parameters)) if isinstance(parameters, Mapping) and parameters else {"type": "object"}
+    if not isinstance(parameters, Mapping):
+        return copy.deepcopy(dict(NO_ARGUMENTS))
+    out = copy.deepcopy(dict(parameters))
+    out.setdefault("type", "object")
+    return out
 
 
 def named_function(tools: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any]:
