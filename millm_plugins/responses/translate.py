@@ -192,8 +192,8 @@ def _chat_fields(request: ResponsesRequest) -> dict[str, Any]:
     choice = request.tool_choice
     if isinstance(choice, FunctionChoice):
         out["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
-    elif isinstance(choice, str):
-        out["tool_choice"] = choice
+    elif isinstance(choice, str) and (choice != "auto" or out.get("tools")):
+        out["tool_choice"] = choice  # "auto" is this API's default: without tools it asks for nothing
     text = request.text
     fmt = text.format if text is not None and text is not msgspec.UNSET else None
     if isinstance(fmt, JsonObject):

@@ -20,7 +20,8 @@ GGUF_SERVED = f"{GGUF_NAME}:{GGUF_TAG}"
 
 
 class OtherEngineName(InvalidRequest, ConfigError):
-    """The conversion named under ``--engine gguf``: a one-line refusal for ``millm serve
+    """One of the two names under an engine that serves the other (the conversion under
+    ``--engine gguf``, the GGUF file under another ``--engine``): a one-line refusal for ``millm serve
     --model`` (a ConfigError), a 400 naming the other name for a request that would load it
     (an InvalidRequest, whose message reaches the client)."""
 
@@ -51,6 +52,13 @@ def _converted(settings: Settings) -> ModelLocation:
 def _packaged_gguf(settings: Settings) -> ModelLocation:
     """The packaged GGUF file itself, for the GGUF engine."""
     from .convert import packaged_gguf, packaged_revision
+
+    if settings.engine and settings.engine != GGUF_ENGINE:
+        raise OtherEngineName(
+            f"{GGUF_SERVED} is the packaged GGUF file, which the {GGUF_ENGINE} engine serves; "
+            f"--engine {settings.engine} serves the packaged model as {MODEL_NAME}",
+            param="model",
+        )
 
     gguf = packaged_gguf()
     return ModelLocation(

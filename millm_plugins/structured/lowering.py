@@ -10,7 +10,7 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 
-from .schema import ANNOTATIONS, DEFS, enforcer_pattern, resolve_local_ref
+from .schema import ANNOTATIONS, DEFS, all_equal, enforcer_pattern, resolve_local_ref
 
 # "integer" is a subset of "number" and "number" already generates it.
 _ANY_TYPES = ("object", "array", "string", "number", "boolean", "null")
@@ -146,7 +146,7 @@ class _Lowerer:
                     texts.append(text)
                 elif isinstance(value, dict):
                     exact.append(self.literal_object(value))
-                elif isinstance(value, list) and all(item == value[0] and type(item) is type(value[0]) for item in value):
+                elif isinstance(value, list) and all_equal(value):
                     items = self.values({"const": value[0]})
                     exact.append({"type": "array", "items": items, "minItems": len(value), "maxItems": len(value)})
                 else:  # refused by check_schema (literal_problem): never reached for a checked schema

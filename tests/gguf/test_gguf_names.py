@@ -81,3 +81,7 @@ def test_the_packaged_model_has_one_name_per_engine(tmp_path: pathlib.Path) -> N
     with pytest.raises(ConfigError, match=r"--engine gguf serves the packaged file itself as SmolLM2-135M-Instruct-GGUF:Q4_1"):
         locate(named, host)
     assert not list(tmp_path.iterdir())  # nothing was converted
+    # The mirror: the GGUF file's name under an engine that does not serve it.
+    forced = load_settings({"engine": "transformers", "cache_dir": str(tmp_path), "model": "SmolLM2-135M-Instruct-GGUF:Q4_1"}, environ={})
+    with pytest.raises(ConfigError, match=r"--engine transformers serves the packaged model as SmolLM2-135M-Instruct"):
+        locate(forced, build_host(forced))

@@ -101,6 +101,16 @@ def test_items_and_instructions_render_the_same_prompt_as_chat(server, tiny_engi
     assert response.usage is not None and response.usage.input_tokens == chat["usage"]["prompt_tokens"] == len(chat_ids(tiny_engine, messages))
 
 
+def test_tool_choice_auto_is_the_default_and_asks_for_nothing_without_tools(server) -> None:  # type: ignore[no-untyped-def]
+    """This API's default (echoed on every response): clients send it without tools."""
+    plain = _post(server, input="hi", max_output_tokens=4, temperature=0)
+    auto = _post(server, input="hi", max_output_tokens=4, temperature=0, tool_choice="auto")
+    assert auto.status_code == 200, auto.text
+    assert auto.json()["output"][0]["content"] == plain.json()["output"][0]["content"] and auto.json()["tool_choice"] == "auto"
+    required = _post(server, input="hi", max_output_tokens=4, tool_choice="required")
+    assert (required.status_code, required.json()["error"]["param"]) == (400, "tool_choice"), required.text
+
+
 def test_max_output_tokens_ends_an_incomplete_response(server) -> None:  # type: ignore[no-untyped-def]
     chat = _chat(server, [{"role": "user", "content": QUESTION}], max_tokens=3)
     assert chat["choices"][0]["finish_reason"] == "length"

@@ -299,6 +299,8 @@ OBJECT_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"t
             '{"a": false}',
             True,
         ),
+        ({"const": [{"a": 1}, {"a": 1}]}, '[{"a": 1}, {"a": 1}]', True),
+        ({"const": [["x", "x"], ["x", "x"]]}, '[["x", "x"], ["x", "x"]]', True),
         ({"type": "number"}, "0.E0", False),  # a fraction needs its digit before an exponent (hypothesis found it)
         ({"type": "number"}, "0.5E0", True),
         ({"type": "number"}, "-1.e5", False),

@@ -375,6 +375,8 @@ def test_lookarounds_are_refused_like_other_unenforceable_syntax(pattern: str) -
         ({"enum": [1, [{"x": 1}, {"x": 2}]]}, "/enum/1"),
         ({"const": {"x": ["a", 1]}}, "/const"),  # at any depth
         ({"enum": [{'k"ey': 1}]}, "/enum/0"),  # a key the mask cannot spell
+        ({"const": [{"a": 1}, {"a": True}]}, "/const"),  # equal to Python (True == 1), not to JSON
+        ({"const": [[{"a": 1}], [{"a": True}]]}, "/const"),
     ],
 )
 def test_enum_and_const_values_the_mask_cannot_write_are_refused(value: dict[str, Any], where: str) -> None:
