@@ -99,9 +99,10 @@ def test_a_forced_opening_is_part_of_the_call_not_of_the_content() -> None:
     emitted, reason, fields = run(rest, calls(opening=forced.opening))
     assert "".join(emitted) == "" and reason == "tool_calls"
     assert json.loads(fields["tool_calls"][0]["function"]["arguments"]) == {"city": "Rome"}  # type: ignore[index]
-    # A forced call that does not parse is returned as what the model wrote, without the opening.
+    # A forced call that does not parse is returned whole: the opening written for the
+    # model, then what it wrote (the continuation alone was a headless fragment).
     emitted, reason, fields = run("oops", calls(opening=forced.opening))
-    assert ("".join(emitted), reason, fields) == ("oops", "stop", None)
+    assert ("".join(emitted), reason, fields) == (forced.opening + "oops", "stop", None)
 
 
 def test_forced_arguments_that_do_not_validate_fail_the_request() -> None:
