@@ -549,9 +549,12 @@ class ModelSource:
     a PyPI package). ``materialise`` returns its location, converting once if needed.
     An ``alias`` is a name for ``--model`` that stands for another model (a GGUF
     repository named without its quantization tag): it is listed, but a request never
-    loads a model by it."""
+    loads a model by it. ``engine``, when set, names the only engine that serves it: with
+    another ``--engine`` the server does not offer it for loading (``millm models`` still
+    lists it)."""
 
     name: str
     materialise: Callable[[Settings], ModelLocation]
     description: str = ""
     alias: bool = False
+    engine: str | None = None

@@ -98,7 +98,7 @@ def remembered_candidate(name: str, location: ModelLocation) -> Candidate:
 
 def candidates(settings: Settings, host: PluginHost, remembered: Mapping[str, ModelLocation] | None = None) -> dict[str, Candidate]:
     """Every model this server could load, by id: the model sources plugins offer (not
-    their aliases), then what ``--model-roots`` holds (a plugin's name wins a clash), then
+    their aliases, nor those for another engine than ``--engine``), then what ``--model-roots`` holds (a plugin's name wins a clash), then
     the models it served before under their names (``remembered``). Never downloads
     anything and never converts: nothing is located until it is loaded."""
     found: dict[str, Candidate] = {}
@@ -118,8 +118,8 @@ def candidates(settings: Settings, host: PluginHost, remembered: Mapping[str, Mo
 
             found.setdefault(model_id, Candidate(model_id, "directory", locate, location.path))
     for name, source in host.model_sources().items():
-        if source.alias:
-            continue
+        if source.alias or (source.engine and settings.engine and source.engine != settings.engine):
+            continue  # an alias loads nothing; a source for another engine than the one forced cannot load
 
         def materialise(name: str = name, materialise: Callable[[Settings], ModelLocation] = source.materialise) -> ModelLocation:
             return dataclasses.replace(materialise(settings), served_name=name)

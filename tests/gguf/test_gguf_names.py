@@ -75,7 +75,10 @@ def test_the_packaged_model_has_one_name_per_engine(tmp_path: pathlib.Path) -> N
     default = locate(settings, host)
     assert default.served_name == "SmolLM2-135M-Instruct-GGUF:Q4_1" and default.path.endswith(".gguf")
     listed = candidates(settings, host)
-    assert {"SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct-GGUF:Q4_1"} <= set(listed)
+    # Each name is offered where its engine may serve it: not the conversion under --engine gguf.
+    assert "SmolLM2-135M-Instruct-GGUF:Q4_1" in listed and "SmolLM2-135M-Instruct" not in listed
+    unforced = load_settings({"cache_dir": str(tmp_path)}, environ={})
+    assert {"SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct-GGUF:Q4_1"} <= set(candidates(unforced, build_host(unforced)))
     assert listed["SmolLM2-135M-Instruct-GGUF:Q4_1"].locate().path == default.path
     named = load_settings({"engine": "gguf", "cache_dir": str(tmp_path), "model": "SmolLM2-135M-Instruct"}, environ={})
     with pytest.raises(ConfigError, match=r"--engine gguf serves the packaged file itself as SmolLM2-135M-Instruct-GGUF:Q4_1"):
