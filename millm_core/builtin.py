@@ -50,7 +50,7 @@ def millm_validate(ctx: RequestContext, request: Any) -> Iterable[Problem]:
 def _request_problems(ctx: RequestContext, request: Any) -> list[Problem]:
     """What the request asks that no model could serve: lengths that disagree, stream
     options without a stream, several choices streamed or beside extra conversations,
-    more rows than the server runs per request."""
+    more rows than the server runs per request, a tool message answering no call."""
     problems: list[Problem] = []
     if ctx.endpoint == "embeddings":
         return problems
@@ -72,6 +72,8 @@ def _request_problems(ctx: RequestContext, request: Any) -> list[Problem]:
     prompts = len(request.prompts()) if ctx.endpoint == "completions" else len(request.conversations())
     if prompts > 1 and n > 1 and ctx.endpoint == "chat.completions":
         problems.append(Problem("n > 1 and extra_messages together are not served: each conversation is one choice; send one of them", param="n"))
+    if ctx.endpoint == "chat.completions":
+        problems.extend(_unanswered_tool_messages(request.conversations()))
     limit = ctx.settings.max_rows_per_request
     if prompts * n > limit:
         unit, many = ("prompt", "prompt") if ctx.endpoint == "completions" else ("conversation", "extra_messages")
@@ -83,6 +85,19 @@ def _request_problems(ctx: RequestContext, request: Any) -> list[Problem]:
                 code="too_many_rows",
             )
         )
+    return problems
+
+
+def _unanswered_tool_messages(conversations: list[list[Any]]) -> list[Problem]:
+    """A ``role: "tool"`` message must say which call it answers (``tool_call_id``), as
+    OpenAI requires: without it a template renders an answer to no call."""
+    problems = []
+    for j, messages in enumerate(conversations):
+        where = "messages" if j == 0 else f"extra_messages[{j - 1}]"
+        for i, message in enumerate(messages):
+            if message.role == "tool" and not _sent(message.tool_call_id):
+                reason = 'a "tool" message needs the tool_call_id of the call it answers'
+                problems.append(Problem(reason, param=f"{where}[{i}].tool_call_id"))
     return problems
 
 

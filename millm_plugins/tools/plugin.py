@@ -217,7 +217,6 @@ def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
         problems.append(Problem('tool_choice "auto" needs tools; send tools, or leave tool_choice out', param="tool_choice"))
     if name is not None and name not in names:
         problems.append(Problem(f"tool_choice names {name!r}, which is not in tools", param="tool_choice"))
-    problems.extend(_unanswered_tool_messages(request))
     if not _active(request):
         return problems
     if constraint_of(request) is not None:
@@ -225,20 +224,6 @@ def millm_validate(ctx: RequestContext, request: Any) -> list[Problem]:
     template = _template_problem(ctx.model)
     if template is not None:
         problems.append(template)
-    return problems
-
-
-def _unanswered_tool_messages(request: Any) -> list[Problem]:
-    """A ``role: "tool"`` message must say which call it answers (``tool_call_id``), as
-    OpenAI requires: without it a template renders an answer to no call."""
-    conversations = request.conversations() if hasattr(request, "conversations") else [getattr(request, "messages", None) or []]
-    problems = []
-    for j, messages in enumerate(conversations):
-        where = "messages" if j == 0 else f"extra_messages[{j - 1}]"
-        for i, message in enumerate(messages):
-            if getattr(message, "role", None) == "tool" and unset(getattr(message, "tool_call_id", None)):
-                reason = 'a "tool" message needs the tool_call_id of the call it answers'
-                problems.append(Problem(reason, param=f"{where}[{i}].tool_call_id"))
     return problems
 
 

@@ -184,3 +184,21 @@ def test_error_mid_stream_is_an_event_then_done(make_server) -> None:  # type: i
         assert "exploded" not in chunks[-1]["error"]["message"]  # internals are logged, not sent
         plain = httpx.post(srv.base_url + "/v1/chat/completions", json={**body, "stream": False})
         assert plain.status_code == 500 and plain.json()["error"]["code"] == "internal_error"
+
+
+def test_a_tool_message_must_name_the_call_it_answers_on_any_server(make_server) -> None:  # type: ignore[no-untyped-def]
+    """A core rule of the chat contract (as OpenAI's 400), so a server without the tools
+    plugin refuses it too, naming the message, in extra_messages as well."""
+    from millm_core.config import load_settings
+    from millm_core.server.app import build_host
+
+    host = build_host(load_settings({"block_plugins": ("tools", "responses")}, environ={}))
+    assert not host.has("tools")
+    answered = [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    unanswered = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "sunny"}]
+    with make_server(host=host) as srv:
+        url = srv.base_url + "/v1/chat/completions"
+        bad = httpx.post(url, json={"model": "tiny", "messages": unanswered, "max_tokens": 2}, timeout=60)
+        assert (bad.status_code, bad.json()["error"]["param"]) == (400, "messages[1].tool_call_id"), bad.text
+        extra = httpx.post(url, json={"model": "tiny", "messages": answered, "extra_messages": [unanswered], "max_tokens": 2}, timeout=60)
+        assert (extra.status_code, extra.json()["error"]["param"]) == (400, "extra_messages[0][1].tool_call_id"), extra.text
